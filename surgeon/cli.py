@@ -1,0 +1,141 @@
+"""The `surgeon` command. Thin: parse arguments, call the library, print, map SurgeonError to exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from .errors import SurgeonError
+from .runtime import limit_heap_fragmentation
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    limit_heap_fragmentation()
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(message)s" if not args.debug else "%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not args.debug:
+        # transformers and accelerate are chatty at INFO; our own log says what matters.
+        for noisy in ("transformers", "accelerate", "huggingface_hub", "httpx"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        return args.handler(args) or 0
+    except SurgeonError as exc:
+        if args.debug:
+            raise
+        for line in str(exc).splitlines() or ["(no message)"]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="surgeon", description="Model surgery from checkpoints you already have.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and library logs")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and results")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check a recipe without loading weights")
+    p.add_argument("recipe")
+    p.set_defaults(handler=_validate)
+
+    p = sub.add_parser("plan", help="show per step the layers, heads, parameters and bytes (meta device)")
+    p.add_argument("recipe")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_plan)
+
+    p = sub.add_parser("run", help="run a recipe and export the result")
+    p.add_argument("recipe")
+    p.add_argument("--out", help="export folder (default: export.path of the recipe, else out/NAME)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    p.set_defaults(handler=_run)
+
+    p = sub.add_parser("eval", help="compare a checkpoint with its parent on text")
+    p.add_argument("child", help="alias, model folder or .gguf file")
+    p.add_argument("--parent", required=True, help="alias, model folder or .gguf file")
+    p.add_argument("--data", required=True, nargs="+", help="text files or globs")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens to evaluate (default 8192)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window, BOS included (default 512)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_eval)
+
+    p = sub.add_parser("push", help="upload an export to the Hugging Face Hub")
+    p.add_argument("folder")
+    p.add_argument("--repo-id", required=True)
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(handler=_push)
+
+    p = sub.add_parser("models", help="list model aliases and whether each is installed")
+    p.set_defaults(handler=_models)
+    return parser
+
+
+def _validate(args) -> None:
+    from .plan import plan_recipe
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    plan_recipe(recipe)
+    print(f"{args.recipe}: ok ({len(recipe.steps)} steps)")
+
+
+def _plan(args) -> None:
+    from .plan import format_plan, plan_recipe
+    from .recipe import load_recipe
+
+    plan = plan_recipe(load_recipe(args.recipe))
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
+
+
+def _run(args) -> None:
+    from .recipe import load_recipe
+    from .run import run_recipe
+
+    started = time.perf_counter()
+    result = run_recipe(load_recipe(args.recipe), out=args.out, overwrite=args.overwrite)
+    for stage in result.report["stages"]:
+        print(_metrics_line(stage["name"], stage["metrics"]))
+    print(f"exported {result.target} in {time.perf_counter() - started:.0f} s")
+
+
+def _eval(args) -> None:
+    from .compare import evaluate_checkpoints
+
+    metrics = evaluate_checkpoints(args.child, args.parent, args.data, tokens=args.tokens, window=args.window)
+    print(json.dumps(metrics, indent=2) if args.json else _metrics_line(args.child, metrics))
+
+
+def _push(args) -> None:
+    from .export import push_folder
+
+    print(push_folder(args.folder, args.repo_id, args.private))
+
+
+def _models(args) -> None:
+    from .aliases import ALIASES, DEFAULT_MODEL
+
+    for alias in ALIASES.values():
+        state = f"installed ({alias.version()})" if alias.installed() else f"not installed: {alias.install}"
+        default = " [default]" if alias.name == DEFAULT_MODEL else ""
+        print(f"{alias.name}{default}\n    {alias.description}\n    {state}")
+
+
+def _metrics_line(name: str, m: dict) -> str:
+    return (
+        f"{name}: kl_mean {m['kl_mean']:.4f}  kl_median {m['kl_median']:.4f}  kl_p99 {m['kl_p99']:.4f}  "
+        f"top1_agreement {m['top1_agreement']:.4f}  ppl {m['ppl']:.2f}  ppl_parent {m['ppl_parent']:.2f}  "
+        f"tokens {m['tokens']}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

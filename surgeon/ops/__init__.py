@@ -1,0 +1,72 @@
+"""Operations a recipe step can name. One module per family; each registers its operations here.
+
+An operation has a pydantic `Params` model and two methods:
+- `plan(params, state, ctx)`: check the parameters against the model they will meet and return the
+  model's state afterwards. No weights are read; raise ParamError for anything that cannot work.
+- `apply(params, patient, ctx)`: do it, returning a new Patient with a provenance entry.
+Modules in this package are imported automatically, so adding an operation touches one file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel
+from transformers import PretrainedConfig
+
+from ..patient import Patient
+from ..sources import Source
+
+# Names a step may use for "the model as it stands now" and "the recipe's unoperated base".
+PATIENT = "patient"
+BASE = "base"
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """What `plan` knows of the model between steps: its config and working dtype."""
+
+    config: PretrainedConfig
+    dtype: torch.dtype
+
+
+@dataclass
+class StepContext:
+    recipe_dir: Path
+    sources: dict[str, Source]  # named sources, plus BASE
+    index: int = 0
+    label: str = ""  # "steps[3].evaluate", for messages
+    previous_op: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)  # what plan learned, reused by apply
+
+
+class Operation:
+    name: ClassVar[str]
+    Params: ClassVar[type[BaseModel]]
+    summary: ClassVar[str] = ""
+
+    def plan(self, params: BaseModel, state: ModelState, ctx: StepContext) -> tuple[ModelState, str]:
+        """Return the state after this step and a short note for the plan table."""
+        raise NotImplementedError
+
+    def apply(self, params: BaseModel, patient: Patient, ctx: StepContext) -> Patient:
+        raise NotImplementedError
+
+
+OPERATIONS: dict[str, Operation] = {}
+
+
+def register(cls: type[Operation]) -> type[Operation]:
+    if cls.name in OPERATIONS:
+        raise RuntimeError(f"operation {cls.name!r} registered twice")
+    OPERATIONS[cls.name] = cls()
+    return cls
+
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

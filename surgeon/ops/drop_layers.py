@@ -1,0 +1,145 @@
+"""drop_layers: remove decoder layers, named in the recipe or chosen on calibration text.
+
+A (config, state dict) rewrite: the new config lists the kept layers, per-layer fields follow them,
+tensors are renamed into place and shared with the parent (no copy), so the result is a standard
+architecture that plain transformers loads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from tqdm.auto import tqdm
+
+from .. import architecture
+from ..data import TextData, describe_files, resolve_text_files, token_windows
+from ..errors import ParamError
+from ..metrics import compare_to_parent, parent_reference
+from ..patient import Patient, Provenance
+from . import ModelState, Operation, StepContext, register
+from .layer_scores import angular_distances, boundary_statistics, cheapest_block, least_influential
+from .layer_spec import LayerList, expand_layers, format_ranges
+
+
+class AutoDrop(BaseModel):
+    """Choose `count` layers from calibration text: `angular` drops the contiguous block whose input
+    and output last-token states are closest (Gromov et al.); `block_influence` drops the layers that
+    change their input least (ShortGPT), contiguous or not; `kl` tries every contiguous block and
+    drops the one whose removal moves the output distribution least (one forward pass per candidate:
+    slower, but it measures the objective instead of a proxy)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: Literal["angular", "block_influence", "kl"] = "angular"
+    count: int = Field(gt=0)
+
+
+class DropLayersParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    layers: LayerList | None = None
+    auto: AutoDrop | None = None
+    calibration: TextData | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self):
+        if (self.layers is None) == (self.auto is None):
+            raise ValueError("give either `layers` (explicit indices) or `auto` (chosen on calibration data)")
+        if self.auto is not None and self.calibration is None:
+            raise ValueError("`auto` needs `calibration` text to measure the layers on")
+        if self.layers is not None and self.calibration is not None:
+            raise ValueError("`calibration` is only used with `auto`")
+        return self
+
+
+@register
+class DropLayers(Operation):
+    name = "drop_layers"
+    Params = DropLayersParams
+    summary = "remove decoder layers, named or chosen by angular distance, block influence or KL"
+
+    def plan(self, params: DropLayersParams, state: ModelState, ctx: StepContext):
+        n = state.config.num_hidden_layers
+        if params.layers is not None:
+            listed = expand_layers(params.layers, n, ("layers",))
+            dropped = sorted(set(listed))
+            if len(dropped) != len(listed):
+                raise ParamError(("layers",), "a layer is listed twice")
+            note = f"drop {format_ranges(dropped)}"
+        else:
+            count = params.auto.count
+            if count >= n:
+                raise ParamError(("auto", "count"), f"cannot drop {count} of {n} layers (at least one must stay)")
+            try:
+                files = resolve_text_files(params.calibration, ctx.recipe_dir)
+            except ParamError as exc:
+                raise exc.under(("calibration",)) from None
+            ctx.facts["calibration_files"] = files
+            dropped = list(range(n - count, n))  # placeholder of the right size; chosen at run time
+            note = f"drop {count} by {params.auto.metric} on {describe_files(files)} (chosen at run time)"
+        if len(dropped) >= n:
+            raise ParamError(("layers",), f"cannot drop all {n} layers")
+        kept = [i for i in range(n) if i not in dropped]
+        config = architecture.config_with_layers(state.config, [(state.config, i) for i in kept])
+        return ModelState(config, state.dtype), note
+
+    def apply(self, params: DropLayersParams, patient: Patient, ctx: StepContext) -> Patient:
+        model = patient.model
+        n = model.config.num_hidden_layers
+        if params.layers is not None:
+            dropped, why, details = sorted(set(expand_layers(params.layers, n, ("layers",)))), "named in the recipe", {}
+        else:
+            files = ctx.facts.get("calibration_files") or resolve_text_files(params.calibration, ctx.recipe_dir)
+            windows = token_windows(patient.tokenizer, files, params.calibration)
+            dropped, why, details = _choose(model, windows, params.auto, patient.fingerprint())
+            why += f" on {describe_files(files)}"
+            details["calibration"] = {"files": [str(f) for f in files], "windows": list(windows.shape)}
+        child = architecture.keep_layers(model, [i for i in range(n) if i not in dropped])
+        entry = Provenance(
+            op=self.name,
+            what=f"dropped layers {format_ranges(dropped)} ({len(dropped)} of {n})",
+            why=why,
+            params={"layers": dropped, **({"metric": params.auto.metric} if params.auto else {})},
+            before=patient.shape().as_dict(),
+            after=architecture.shape_of(child.config, child.dtype).as_dict(),
+            details=details,
+        )
+        return patient.with_model(child, entry)
+
+
+def _choose(model, windows, auto: AutoDrop, fingerprint: str) -> tuple[list[int], str, dict]:
+    """(layers to drop, why, every candidate's score): all metrics are reported, one decides."""
+    count = auto.count
+    stats = boundary_statistics(model, windows)
+    distances = angular_distances(stats["last"], count)
+    details = {"angular_distance_by_block_start": distances, "block_influence_by_layer": stats["influence"].tolist()}
+    if auto.metric == "angular":
+        dropped = cheapest_block(distances, count)
+        why = (f"the {count}-layer block with the smallest angular distance between its input and output "
+               f"({distances[dropped[0]]:.4f}; median over all blocks {_median(distances):.4f})")
+    elif auto.metric == "kl":
+        kls = details["kl_by_block_start"] = _kl_by_block(model, windows, count, fingerprint)
+        dropped = cheapest_block(kls, count)
+        why = (f"of all {len(kls)} contiguous {count}-layer blocks, the one whose removal costs the least KL "
+               f"({kls[dropped[0]]:.4f}; median over all blocks {_median(kls):.4f})")
+    else:
+        dropped = least_influential(stats["influence"], count)
+        why = f"the {count} layers with the lowest block influence (1 - cos between input and output)"
+    return dropped, why, details
+
+
+def _kl_by_block(model, windows, count: int, fingerprint: str) -> list[float]:
+    """Mean KL(model || model without block [l, l+count)) on `windows`, for every start l."""
+    n = model.config.num_hidden_layers
+    reference = parent_reference(lambda: model, windows, fingerprint)
+    kls = []
+    for start in tqdm(range(n - count + 1), desc="kl per block", unit="block", leave=False):
+        kept = [i for i in range(n) if not start <= i < start + count]
+        kls.append(compare_to_parent(architecture.keep_layers(model, kept), windows, reference)["kl_mean"])
+    return kls
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]

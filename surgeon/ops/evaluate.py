@@ -1,0 +1,82 @@
+"""The `evaluate` step: measure the patient against its parent (or a named source) on held-out text."""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import BaseModel, ConfigDict
+
+from ..data import TextData, resolve_text_files, token_windows
+from ..errors import ParamError
+from ..metrics import compare_to_parent, parent_reference
+from ..patient import Patient, Stage
+from . import ModelState, Operation, StepContext, register
+
+log = logging.getLogger(__name__)
+
+PARENT = "parent"
+
+
+class EvaluateParams(BaseModel):
+    """`against`: `parent` (the recipe's base before any operation) or a named source; `name`: the
+    stage's label in the report (default: after the previous operation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: TextData
+    against: str = PARENT
+    name: str | None = None
+
+
+@register
+class Evaluate(Operation):
+    name = "evaluate"
+    Params = EvaluateParams
+    summary = "KL to the parent, top-1 agreement and perplexity on held-out text"
+
+    def plan(self, params: EvaluateParams, state: ModelState, ctx: StepContext):
+        try:
+            files = resolve_text_files(params.data, ctx.recipe_dir)
+        except ParamError as exc:
+            raise exc.under(("data",)) from None
+        ctx.facts["files"] = files
+        if params.against != PARENT:
+            if params.against not in ctx.sources:
+                known = ", ".join([PARENT, *ctx.sources])
+                raise ParamError(("against",), f"unknown source '{params.against}' (known: {known})")
+            reference_vocab = ctx.sources[params.against].config.vocab_size
+        else:
+            reference_vocab = ctx.sources["base"].config.vocab_size
+        if reference_vocab != state.config.vocab_size:
+            raise ParamError(
+                ("against",),
+                f"vocabularies differ ({reference_vocab} vs {state.config.vocab_size}): KL needs the same tokens",
+            )
+        return state, f"{self._stage_name(params, ctx)}: {params.data.tokens} tokens of {', '.join(f.name for f in files)}"
+
+    def apply(self, params: EvaluateParams, patient: Patient, ctx: StepContext) -> Patient:
+        files = ctx.facts.get("files") or resolve_text_files(params.data, ctx.recipe_dir)
+        windows = token_windows(patient.tokenizer, files, params.data)
+        if params.against == PARENT:
+            reference = parent_reference(lambda: patient.parent, windows, patient.base.fingerprint())
+        else:
+            source = ctx.sources[params.against]
+            reference = parent_reference(source.load_model, windows, source.fingerprint())
+        metrics = compare_to_parent(patient.model, windows, reference)
+        stage = Stage(
+            name=self._stage_name(params, ctx),
+            data=", ".join(f.name for f in files),
+            metrics=metrics,
+        )
+        log.info(
+            "%s: kl_mean %.4f, top-1 %.3f, ppl %.2f (parent %.2f) over %d tokens",
+            stage.name, metrics["kl_mean"], metrics["top1_agreement"], metrics["ppl"], metrics["ppl_parent"],
+            metrics["tokens"],
+        )
+        return patient.with_stage(stage)
+
+    @staticmethod
+    def _stage_name(params: EvaluateParams, ctx: StepContext) -> str:
+        if params.name:
+            return params.name
+        return f"after {ctx.previous_op}" if ctx.previous_op else "base"

