@@ -82,3 +82,26 @@ def test_glob_selection():
     assert select(names, ["model.layers.1?"]) == [names[1]]
     assert select(names, ["**.q_proj.weight", "lm_head.weight"]) == names[2:]
     assert unmatched_patterns(names, ["model.layers.*.mlp", "model.norm"]) == ["model.norm"]
+
+
+def test_sharded_folder_is_read_shard_by_shard(tmp_path, tokenizer_dir):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "whole", "llama", tokenizer_dir)
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(sharded, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((folder / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+
+    source = resolve_source(str(sharded), Path.cwd())
+    whole = resolve_source(str(folder), Path.cwd())
+    assert source.tensor_shapes() == whole.tensor_shapes()
+    name = "model.layers.5.self_attn.o_proj.weight"
+    assert torch.equal(source.load_tensors([name])[name], whole.load_tensors([name])[name])
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert torch.equal(source.load_model()(input_ids=ids).logits, whole.load_model()(input_ids=ids).logits)
