@@ -155,6 +155,8 @@ def assemble(
         )
     model.load_state_dict(tensors, strict=True, assign=True)
     model.tie_weights()
+    for param in model.parameters():
+        param.requires_grad_(False)  # surgery results are frozen; a heal step opts parameters in
     if generation_config is not None:
         model.generation_config = generation_config
     return model.eval()

@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a recipe and export the result")
     p.add_argument("recipe")
     p.add_argument("--out", help="export folder (default: export.path of the recipe, else out/NAME)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing export")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export (and discard checkpoints)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last checkpoint")
     p.set_defaults(handler=_run)
 
     p = sub.add_parser("eval", help="compare a checkpoint with its parent on text")
@@ -101,9 +102,9 @@ def _run(args) -> None:
     from .run import run_recipe
 
     started = time.perf_counter()
-    result = run_recipe(load_recipe(args.recipe), out=args.out, overwrite=args.overwrite)
+    result = run_recipe(load_recipe(args.recipe), out=args.out, overwrite=args.overwrite, resume=args.resume)
     for stage in result.report["stages"]:
-        print(_metrics_line(stage["name"], stage["metrics"]))
+        print(_stage_line(stage))
     print(f"exported {result.target} in {time.perf_counter() - started:.0f} s")
 
 
@@ -127,6 +128,14 @@ def _models(args) -> None:
         state = f"installed ({alias.version()})" if alias.installed() else f"not installed: {alias.install}"
         default = " [default]" if alias.name == DEFAULT_MODEL else ""
         print(f"{alias.name}{default}\n    {alias.description}\n    {state}")
+
+
+def _stage_line(stage: dict) -> str:
+    m = stage["metrics"]
+    if stage.get("kind", "kl") == "instructions":
+        return (f"{stage['name']}: instructions {m['correct']}/{m['total']} right "
+                f"(parent {m['parent_correct']}/{m['total']})")
+    return _metrics_line(f"{stage['name']} on {stage['data']}", m)
 
 
 def _metrics_line(name: str, m: dict) -> str:

@@ -31,29 +31,39 @@ class TextData(BaseModel):
 
 
 def resolve_text_files(data: TextData, base_dir: Path) -> list[Path]:
-    """The files `data` names, in a stable order; ParamError (pointing at `text`) when one is missing."""
+    return resolve_files(data.text, base_dir, "text")
+
+
+def resolve_files(patterns: str | list[str], base_dir: Path, field: str) -> list[Path]:
+    """The files named by a pattern or list of patterns (globs allowed), in a stable order.
+
+    Relative paths are taken from `base_dir` (the recipe's folder). A missing file raises a
+    ParamError pointing at `field` (and at the list item, for a list).
+    """
     files: list[Path] = []
-    for index, pattern in enumerate(data.patterns()):
-        node = ("text",) if isinstance(data.text, str) else ("text", index)
+    single = isinstance(patterns, str)
+    for index, pattern in enumerate([patterns] if single else patterns):
+        node = (field,) if single else (field, index)
         path = Path(pattern).expanduser()
         full = path if path.is_absolute() else base_dir / path
         if any(ch in pattern for ch in "*?["):
             found = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if Path(p).is_file())
             if not found:
-                raise ParamError(("text",), f"no file matches {pattern!r} (looked in {full.parent})", node=node)
+                raise ParamError((field,), f"no file matches {pattern!r} (looked in {full.parent})", node=node)
             files.extend(found)
         elif full.is_file():
             files.append(full)
         else:
-            raise ParamError(("text",), f"no such file: {pattern} (resolved to {full.resolve()})", node=node)
+            raise ParamError((field,), f"no such file: {pattern} (resolved to {full.resolve()})", node=node)
     return files
 
 
 def token_windows(tokenizer, files: list[Path], data: TextData) -> torch.Tensor:
     """LongTensor [n_windows, window] of consecutive text, each window starting with BOS if asked.
 
-    `tokens` is a budget: n_windows = tokens // window (at least one). Files are read only as far
-    as the budget needs, so a 16K-token calibration set does not tokenise a whole novel.
+    `tokens` is a budget: n_windows = tokens // window (at least one), shared evenly between the
+    files (five plays give a fifth each, not five times the first). Each file is read only as far
+    as its share needs, so a 16K-token calibration set does not tokenise a whole novel.
     """
     bos_id = tokenizer.bos_token_id
     use_bos = data.bos if data.bos is not None else bos_id is not None
@@ -61,22 +71,23 @@ def token_windows(tokenizer, files: list[Path], data: TextData) -> torch.Tensor:
         raise DataError("bos: true, but the tokenizer defines no BOS token")
     n_windows = max(1, data.tokens // data.window)
     per_window = data.window - (1 if use_bos else 0)
-    needed = n_windows * per_window
-    stream: list[int] = []
-    for path in files:
-        stream.extend(_tokenize_prefix(tokenizer, path, needed - len(stream)))
-        if len(stream) >= needed:
-            break
-    available = len(stream) // per_window
-    if available == 0:
+    shares = [n_windows // len(files) + (1 if i < n_windows % len(files) else 0) for i in range(len(files))]
+    rows: list[torch.Tensor] = []
+    for path, share in zip(files, shares, strict=True):
+        if share == 0:
+            continue
+        ids = _tokenize_prefix(tokenizer, path, share * per_window)
+        got = min(share, len(ids) // per_window)
+        if got < share:
+            log.warning("%s has %d windows of %d tokens, fewer than the %d asked for", path.name, got, data.window, share)
+        if got:
+            rows.append(torch.tensor(ids[: got * per_window], dtype=torch.long).view(got, per_window))
+    if not rows:
         names = ", ".join(p.name for p in files)
-        raise DataError(f"{names}: only {len(stream)} tokens, fewer than one window of {data.window}")
-    if available < n_windows:
-        log.warning("text has %d windows of %d tokens, fewer than the %d asked for", available, data.window, n_windows)
-        n_windows = available
-    body = torch.tensor(stream[: n_windows * per_window], dtype=torch.long).view(n_windows, per_window)
+        raise DataError(f"{names}: fewer tokens than one window of {data.window}")
+    body = torch.cat(rows)
     if use_bos:
-        body = torch.cat([torch.full((n_windows, 1), bos_id, dtype=torch.long), body], dim=1)
+        body = torch.cat([torch.full((body.shape[0], 1), bos_id, dtype=torch.long), body], dim=1)
     return body
 
 

@@ -17,6 +17,7 @@ import torch
 from .cache import temporary_sibling
 from .card import render_card
 from .errors import ExportError
+from .plots import report_plots
 from .sources import DTYPES
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,10 @@ def export_model(
         tokenizer.save_pretrained(tmp)
         (tmp / "recipe.yaml").write_text(recipe_text, encoding="utf-8")
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-        (tmp / "README.md").write_text(render_card(report, recipe_text), encoding="utf-8")
+        plots = report_plots(report)
+        for name, png in plots.items():
+            (tmp / name).write_bytes(png)
+        (tmp / "README.md").write_text(render_card(report, recipe_text, sorted(plots)), encoding="utf-8")
         _replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -29,11 +29,13 @@ class Provenance:
 
 @dataclass(frozen=True)
 class Stage:
-    """An evaluation against the parent at one point of the recipe."""
+    """A measurement at one point of the recipe: KL to the parent (`kl`) or another `kind`."""
 
     name: str
     data: str
     metrics: dict[str, float]
+    kind: str = "kl"
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Patient:
     base: Source
     provenance: tuple[Provenance, ...] = ()
     stages: tuple[Stage, ...] = ()
+    origin: tuple[int | None, ...] | None = None  # per layer: the parent layer it came from (None: new)
 
     @classmethod
     def from_source(cls, source: Source) -> "Patient":
@@ -68,8 +71,15 @@ class Patient:
     def shape(self) -> Shape:
         return shape_of(self.model.config, self.model.dtype)
 
-    def with_model(self, model: torch.nn.Module, entry: Provenance) -> "Patient":
-        return dataclasses.replace(self, model=model, provenance=self.provenance + (entry,))
+    def layer_origin(self) -> list[int | None]:
+        """For each current layer, the index of the parent layer it stands for."""
+        if self.origin is None:
+            return list(range(self.model.config.num_hidden_layers))
+        return list(self.origin)
+
+    def with_model(self, model: torch.nn.Module, entry: Provenance, origin: list[int | None] | None = None) -> "Patient":
+        return dataclasses.replace(self, model=model, provenance=self.provenance + (entry,),
+                                   origin=tuple(origin) if origin is not None else self.origin)
 
     def with_stage(self, stage: Stage) -> "Patient":
         return dataclasses.replace(self, stages=self.stages + (stage,))

@@ -71,7 +71,7 @@ def plan_recipe(recipe: Recipe) -> Plan:
             raise RecipeError([recipe.problem(("steps", step.index, step.op), str(exc))]) from None
         plan.contexts.append(ctx)
         plan.rows.append(PlanRow(step.label, note, shape_of(state.config, state.dtype)))
-        if step.op != "evaluate":
+        if not OPERATIONS[step.op].measures:
             previous = step.op
     plan.final = state
     export_dtype = recipe.spec.export.dtype

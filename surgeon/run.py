@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import resource
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accelerate import PartialState
+
 from . import __version__
-from .errors import ParamError, RecipeError, SurgeonError
+from .errors import ExportError, ParamError, RecipeError, SurgeonError
 from .export import check_target, export_model, push_folder
 from .ops import OPERATIONS
 from .patient import Patient
@@ -37,12 +41,26 @@ def export_target(recipe: Recipe, out: str | Path | None) -> Path:
     return (Path.cwd() / "out" / recipe.spec.name).resolve()
 
 
-def run_recipe(recipe: Recipe, out: str | Path | None = None, overwrite: bool = False) -> RunResult:
+def work_dir_for(target: Path) -> Path:
+    """Where a run keeps its checkpoints: beside the export, removed once the export is written."""
+    return target.parent / f"{target.name}.checkpoints"
+
+
+def run_recipe(recipe: Recipe, out: str | Path | None = None, overwrite: bool = False, resume: bool = False) -> RunResult:
     started = time.perf_counter()
     plan = plan_recipe(recipe)  # every check that needs no weights, first
     target = export_target(recipe, out)
     overwrite = overwrite or recipe.spec.export.overwrite
     check_target(target, overwrite)
+    work = work_dir_for(target)
+    if work.exists() and not resume:
+        if not overwrite:
+            raise ExportError(f"{work} holds checkpoints of an interrupted run: pass --resume to continue it, "
+                              "or --overwrite to start over")
+        shutil.rmtree(work)
+    digest = hashlib.sha256(recipe.text.encode()).hexdigest()[:16]
+    for ctx in plan.contexts:
+        ctx.work_dir, ctx.resume, ctx.recipe_digest = work, resume, digest
     patient = Patient.from_source(plan.base)
     timings = {"load_s": round(time.perf_counter() - started, 2)}
     for step, ctx in zip(recipe.steps, plan.contexts, strict=True):
@@ -58,16 +76,20 @@ def run_recipe(recipe: Recipe, out: str | Path | None = None, overwrite: bool = 
         timings[step.label] = round(time.perf_counter() - step_started, 2)
     timings["total_s"] = round(time.perf_counter() - started, 2)
     report = build_report(recipe, plan, patient, timings)
-    export_model(
-        patient.model,
-        patient.tokenizer,
-        target,
-        report=report,
-        recipe_text=recipe.text,
-        dtype=recipe.spec.export.dtype,
-        overwrite=overwrite,
-    )
-    if recipe.spec.export.push:
+    state = PartialState()  # under `accelerate launch`, every process ran the steps; one exports
+    if state.is_main_process:
+        export_model(
+            patient.model,
+            patient.tokenizer,
+            target,
+            report=report,
+            recipe_text=recipe.text,
+            dtype=recipe.spec.export.dtype,
+            overwrite=overwrite,
+        )
+        shutil.rmtree(work, ignore_errors=True)
+    state.wait_for_everyone()
+    if recipe.spec.export.push and state.is_main_process:
         push = recipe.spec.export.push
         push_folder(target, push.repo_id, push.private)
     return RunResult(patient, target, report)

@@ -1,6 +1,7 @@
 """The one way surgeon selects parameters: glob patterns over state-dict names.
 
-`*` matches within one dotted component and `**` across components. A pattern naming a module
+`*` matches within one dotted component, `**` across components, `?` one character and `[1-3]`
+one of a set. A pattern naming a module
 selects everything beneath it: `model.layers.*.mlp` picks every MLP weight, `model.layers.1?`
 everything in layers 10-19, `lm_head.weight` exactly that tensor.
 """
@@ -26,6 +27,11 @@ def _compile(pattern: str) -> re.Pattern:
         elif pattern[i] == "?":
             out += r"[^.]"
             i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 1 :]:
+            end = pattern.index("]", i + 1)
+            body = pattern[i + 1 : end]
+            out += "[" + ("^" + re.escape(body[1:]) if body.startswith("!") else re.escape(body).replace(r"\-", "-")) + "]"
+            i = end + 1
         else:
             out += re.escape(pattern[i])
             i += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -83,11 +84,13 @@ def test_run_then_eval(write_recipe, tiny_llama, text_dir, tmp_path, surgeon):
         steps:
           - drop_layers: {{layers: [4]}}
           - evaluate: {{data: {{text: {text_dir}/heldout.txt, tokens: 256, window: 128}}}}
+          - check_instructions: {{max_new_tokens: 4}}
         """)
     out = tmp_path / "cli-run"
     result = surgeon("run", path, "--out", out)
     assert result.returncode == 0, result.stderr
-    assert "after drop_layers: kl_mean" in result.stdout and (out / "model.safetensors").is_file()
+    assert "after drop_layers on heldout.txt: kl_mean" in result.stdout and (out / "model.safetensors").is_file()
+    assert re.search(r"after drop_layers: instructions \d+/26 right \(parent \d+/26\)", result.stdout)
 
     again = surgeon("run", path, "--out", out)
     assert again.returncode == 2 and "already exists" in again.stderr

@@ -187,7 +187,7 @@ def test_calibration_text_too_short_is_a_clear_error(tiny_llama, text_dir):
 
     patient = load_patient(tiny_llama)
     params = {"auto": {"count": 1}, "calibration": {"text": str(text_dir / "tiny.txt"), "window": 64}}
-    with pytest.raises(DataError, match="fewer than one window of 64"):
+    with pytest.raises(DataError, match="fewer tokens than one window of 64"):
         apply("drop_layers", params, patient)
 
 

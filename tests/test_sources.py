@@ -80,6 +80,8 @@ def test_glob_selection():
     assert select(names, ["model.layers.*.mlp"]) == names[:2]
     assert select(names, ["model.layers.1"]) == [names[0], names[2]]
     assert select(names, ["model.layers.1?"]) == [names[1]]
+    assert select(names, ["model.layers.1[0-3]"]) == [names[1]]
+    assert select(names, ["model.layers.[0-1].self_attn"]) == [names[2]]
     assert select(names, ["**.q_proj.weight", "lm_head.weight"]) == names[2:]
     assert unmatched_patterns(names, ["model.layers.*.mlp", "model.norm"]) == ["model.norm"]
 

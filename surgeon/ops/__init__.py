@@ -43,12 +43,16 @@ class StepContext:
     label: str = ""  # "steps[3].evaluate", for messages
     previous_op: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)  # what plan learned, reused by apply
+    work_dir: Path | None = None  # the run's checkpoints (beside the export); None in plan
+    resume: bool = False
+    recipe_digest: str = ""
 
 
 class Operation:
     name: ClassVar[str]
     Params: ClassVar[type[BaseModel]]
     summary: ClassVar[str] = ""
+    measures: ClassVar[bool] = False  # measures the model without changing it (stage names skip these)
 
     def plan(self, params: BaseModel, state: ModelState, ctx: StepContext) -> tuple[ModelState, str]:
         """Return the state after this step and a short note for the plan table."""

@@ -18,8 +18,8 @@ from ..errors import ParamError
 from ..metrics import compare_to_parent, parent_reference
 from ..patient import Patient, Provenance
 from . import ModelState, Operation, StepContext, register
+from ..layer_spec import LayerList, expand_layers, format_ranges
 from .layer_scores import angular_distances, boundary_statistics, cheapest_block, least_influential
-from .layer_spec import LayerList, expand_layers, format_ranges
 
 
 class AutoDrop(BaseModel):
@@ -95,7 +95,8 @@ class DropLayers(Operation):
             dropped, why, details = _choose(model, windows, params.auto, patient.fingerprint())
             why += f" on {describe_files(files)}"
             details["calibration"] = {"files": [str(f) for f in files], "windows": list(windows.shape)}
-        child = architecture.keep_layers(model, [i for i in range(n) if i not in dropped])
+        kept = [i for i in range(n) if i not in dropped]
+        child = architecture.keep_layers(model, kept)
         entry = Provenance(
             op=self.name,
             what=f"dropped layers {format_ranges(dropped)} ({len(dropped)} of {n})",
@@ -105,7 +106,8 @@ class DropLayers(Operation):
             after=architecture.shape_of(child.config, child.dtype).as_dict(),
             details=details,
         )
-        return patient.with_model(child, entry)
+        origin = patient.layer_origin()
+        return patient.with_model(child, entry, origin=[origin[i] for i in kept])
 
 
 def _choose(model, windows, auto: AutoDrop, fingerprint: str) -> tuple[list[int], str, dict]:

@@ -33,6 +33,7 @@ class Evaluate(Operation):
     name = "evaluate"
     Params = EvaluateParams
     summary = "KL to the parent, top-1 agreement and perplexity on held-out text"
+    measures = True
 
     def plan(self, params: EvaluateParams, state: ModelState, ctx: StepContext):
         try:

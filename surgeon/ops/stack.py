@@ -18,7 +18,7 @@ from ..errors import ParamError
 from ..patient import Patient, Provenance
 from ..sources import Source
 from . import BASE, PATIENT, ModelState, Operation, StepContext, register
-from .layer_spec import LayerList, expand_layers, format_ranges
+from ..layer_spec import LayerList, expand_layers, format_ranges
 
 
 class Slice(BaseModel):
@@ -72,13 +72,18 @@ class Stack(Operation):
                 donors[name] = _Donor.of(name, patient, ctx)
             return donors[name]
 
-        picks, origin, tensors = [], [], {}
+        picks, origin, tensors, parent_layer = [], [], {}, []
+        patient_origin = patient.layer_origin()
         for piece in params.slices:
             source = donor(piece.source)
             for layer in expand_layers(piece.layers, source.config.num_hidden_layers, ()):
                 new_index = len(picks)
                 picks.append((source.config, layer))
                 origin.append(f"{piece.source}:{layer}")
+                if piece.source == PATIENT:
+                    parent_layer.append(patient_origin[layer])
+                else:  # the base's own layer index, or None for another checkpoint's layer
+                    parent_layer.append(layer if piece.source == BASE else None)
                 for suffix, tensor in source.layer_tensors(layer).items():
                     # Cloned: a layer used twice must not share storage in the export.
                     tensors[architecture.layer_tensor_name(new_index, suffix)] = tensor.clone()
@@ -94,7 +99,7 @@ class Stack(Operation):
             before=patient.shape().as_dict(),
             after=architecture.shape_of(child.config, child.dtype).as_dict(),
         )
-        return dataclasses.replace(patient.with_model(child, entry), tokenizer=outer.tokenizer())
+        return dataclasses.replace(patient.with_model(child, entry, origin=parent_layer), tokenizer=outer.tokenizer())
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ParamError
+from .errors import ParamError
 
 LayerList = list[int | str]
 

@@ -1,0 +1,136 @@
+"""heal: brief distillation from the unoperated parent (or a named teacher) to win back quality.
+
+Student: the patient. Teacher: `parent` (the base before the recipe's first step) or a named
+source with the same vocabulary. What trains is given by globs and/or LoRA; everything else is
+frozen. Checkpoints go beside the export, so `surgeon run RECIPE --resume` continues a killed run
+exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from pydantic import ConfigDict
+
+from .. import architecture
+from ..architecture import shape_of
+from ..data import describe_files
+from ..errors import ParamError
+from ..patient import Patient, Provenance
+from ..training.data import HealData, build_train_set, check_sources
+from ..training.loop import LoopSpec, train
+from ..training.trainable import TrainSpec, check_trainable, finish_student, prepare_student
+from . import ModelState, Operation, StepContext, register
+
+log = logging.getLogger(__name__)
+
+PARENT = "parent"
+
+
+class HealParams(LoopSpec):
+    model_config = ConfigDict(extra="forbid")
+
+    teacher: str = PARENT
+    data: HealData
+    train: TrainSpec
+
+
+@register
+class Heal(Operation):
+    name = "heal"
+    Params = HealParams
+    summary = "distil the parent back into the operated model (KL on logits; globs and/or LoRA)"
+
+    def plan(self, params: HealParams, state: ModelState, ctx: StepContext):
+        if params.teacher != PARENT:
+            if params.teacher not in ctx.sources:
+                known = ", ".join([PARENT, *ctx.sources])
+                raise ParamError(("teacher",), f"unknown source '{params.teacher}' (known: {known})")
+            if params.loss.hidden:
+                raise ParamError(("loss", "hidden"), "the hidden-state loss maps layers to the parent's: use teacher: parent")
+        teacher_config = ctx.sources["base"].config if params.teacher == PARENT else ctx.sources[params.teacher].config
+        if teacher_config.vocab_size != state.config.vocab_size:
+            raise ParamError(("teacher",), f"vocabularies differ ({teacher_config.vocab_size} vs {state.config.vocab_size})")
+        if params.teacher_cache is not None and params.loss.temperature != 1.0:
+            raise ParamError(("teacher_cache",), "the top-k teacher cache holds temperature-1 logits: use temperature 1")
+        if params.teacher_cache is not None and params.loss.kl == 0:
+            raise ParamError(("teacher_cache",), "a teacher cache without a KL term would never be read")
+        ctx.facts["files"] = check_sources(params.data, ctx.recipe_dir)
+        with torch.device("meta"):
+            from transformers import AutoModelForCausalLM
+
+            meta_model = AutoModelForCausalLM.from_config(state.config)
+        counts = check_trainable(params.train, meta_model, ("train",))
+        ctx.facts["trainable"] = counts
+        share = counts["trainable"] / counts["total"]
+        tokens = params.steps * params.batch_size * params.grad_accum * params.data.window
+        how = " + ".join(filter(None, [f"{len(params.train.params)} globs" if params.train.params else "",
+                                       f"LoRA r={params.train.lora.r}" if params.train.lora else ""]))
+        note = (f"train {counts['trainable'] / 1e6:.2f}M params ({share:.1%}, {how}); {params.steps} steps, "
+                f"~{tokens / 1e3:.0f}K tokens; teacher {params.teacher}")
+        return state, note
+
+    def apply(self, params: HealParams, patient: Patient, ctx: StepContext) -> Patient:
+        if params.teacher == PARENT:
+            teacher, fingerprint = patient.parent, patient.base.fingerprint()
+        else:
+            source = ctx.sources[params.teacher]
+            teacher, fingerprint = source.load_model(), source.fingerprint()
+        for param in teacher.parameters():
+            param.requires_grad_(False)
+        files = ctx.facts.get("files") or check_sources(params.data, ctx.recipe_dir)
+        data = build_train_set(params.data, files, patient.tokenizer, teacher, fingerprint)
+        before = patient.shape().as_dict()
+        # A new module around the same tensors: training never touches the caller's model or the
+        # parent (trained tensors are copied first, in prepare_student).
+        current = patient.model
+        student = architecture.assemble(current.config, current.state_dict(), current.generation_config)
+        student, trainable = prepare_student(student, params.train)
+        digest = hashlib.sha256(
+            f"{ctx.recipe_digest}|{ctx.index}|{data.digest()}|{sorted(trainable)}".encode()).hexdigest()[:16]
+        with _work_dir(ctx) as work:
+            result = train(
+                student, trainable, teacher, data, params,
+                teacher_fingerprint=fingerprint, teacher_is_parent=params.teacher == PARENT,
+                layer_origin=patient.layer_origin(), checkpoint_dir=work / f"heal-step{ctx.index}",
+                resume=ctx.resume, run_digest=digest,
+            )
+        model = finish_student(student)
+        counts = ctx.facts.get("trainable") or {"trainable": sum(p.numel() for p in trainable.values()), "total": 0}
+        evals = result.evals
+        kl_text = (f"; held-out KL {evals[0]['kl_mean']:.4f} -> {evals[-1]['kl_mean']:.4f}"
+                   if len(evals) >= 2 else "")
+        sources = ", ".join(s.kind for s in params.data.sources)
+        entry = Provenance(
+            op=self.name,
+            what=(f"healed for {result.steps_done} steps on {result.tokens:,} target tokens "
+                  f"({counts['trainable']:,} parameters trained{', LoRA merged' if params.train.lora else ''})"),
+            why=(f"distillation from the {params.teacher} (KL x{params.loss.kl} at T={params.loss.temperature}"
+                 f"{f', CE x{params.loss.ce}' if params.loss.ce else ''}"
+                 f"{f', hidden x{params.loss.hidden}' if params.loss.hidden else ''}) on "
+                 f"{describe_files([f for fs in files.values() for f in fs]) or sources}{kl_text}"),
+            # The run digest (recipe, data, what trained) makes the patient's fingerprint unique to
+            # this training, so caches keyed by it never mistake one healed model for another.
+            params={"steps": result.steps_done, "trainable": counts, "teacher": params.teacher, "run": digest},
+            before=before,
+            after=shape_of(model.config, model.dtype).as_dict(),
+            details={"training": result.summary(), "curve": result.curve, "heldout": evals,
+                     "data": {"train_windows": data.train_ids.shape[0], "window": params.data.window,
+                              "heldout_windows": data.heldout_ids.shape[0], "train_tokens": data.train_tokens}},
+        )
+        return patient.with_model(model, entry)
+
+
+@contextmanager
+def _work_dir(ctx: StepContext):
+    """The run's checkpoint folder; outside a run (a library call), a temporary one."""
+    if ctx.work_dir is not None:
+        yield ctx.work_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="surgeon-heal-") as tmp:
+        yield Path(tmp)
