@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import SHARED_DATA, requires_shared_data, requires_smollm2
+from surgeon.architecture import keep_layers
 from surgeon.data import TextData, token_windows
 from surgeon.errors import RecipeError
 from surgeon.metrics import compare_to_parent, parent_reference
@@ -78,14 +79,15 @@ def test_recipe_error_on_the_real_model(write_recipe):
 
 
 @requires_shared_data
-def test_auto_drop_and_round_trip_through_plain_transformers(write_recipe, tmp_path, smollm2):
+def test_auto_drop_with_bridge_and_round_trip_through_plain_transformers(write_recipe, tmp_path, smollm2):
     path = write_recipe(f"""
         name: smollm2-drop6-small
         base: smollm2-135m-instruct
         steps:
           - drop_layers:
               auto: {{metric: angular, count: 6}}
-              calibration: {{text: {AUSTEN}/emma.txt, tokens: 2048}}
+              calibration: {{text: {AUSTEN}/emma.txt, tokens: 4096}}
+              bridge: linear
           - evaluate: {{data: {{text: {AUSTEN}/persuasion.txt, tokens: 1024}}}}
         """)
     result = run_recipe(load_recipe(path), out=tmp_path / "export")
@@ -95,6 +97,14 @@ def test_auto_drop_and_round_trip_through_plain_transformers(write_recipe, tmp_p
     assert len(entry["details"]["angular_distance_by_block_start"]) == 25
     metrics = result.report["stages"][0]["metrics"]
     assert 0 < metrics["kl_mean"] < 3 and 0.2 < metrics["top1_agreement"] < 1 and metrics["ppl"] > metrics["ppl_parent"]
+
+    # The bridge is worth having: the same drop without it is clearly further from the parent.
+    source, parent, tokenizer = smollm2
+    files = [AUSTEN / "persuasion.txt"]
+    windows = token_windows(tokenizer, files, TextData(text=str(files[0]), tokens=1024))
+    plain = keep_layers(parent, [i for i in range(30) if i not in dropped])
+    plain_kl = compare_to_parent(plain, windows, parent_reference(lambda: parent, windows, source.fingerprint()))["kl_mean"]
+    assert metrics["kl_mean"] < 0.8 * plain_kl, (metrics["kl_mean"], plain_kl)
 
     folder = result.target
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 24

@@ -20,6 +20,7 @@ from ..patient import Patient, Provenance
 from . import ModelState, Operation, StepContext, register
 from ..layer_spec import LayerList, expand_layers, format_ranges
 from .layer_scores import angular_distances, boundary_statistics, cheapest_block, least_influential
+from .linear_bridge import BRIDGEABLE_MODEL_TYPES, contiguous_runs, fit_bridges, fold_into_down_proj
 
 
 class AutoDrop(BaseModel):
@@ -36,20 +37,24 @@ class AutoDrop(BaseModel):
 
 
 class DropLayersParams(BaseModel):
+    """`bridge: linear` fits, on the calibration text, a linear map that stands in for each dropped
+    block and folds it into the MLP of the layer before it (see linear_bridge.py)."""
+
     model_config = ConfigDict(extra="forbid")
 
     layers: LayerList | None = None
     auto: AutoDrop | None = None
     calibration: TextData | None = None
+    bridge: Literal["none", "linear"] = "none"
 
     @model_validator(mode="after")
     def _one_way(self):
         if (self.layers is None) == (self.auto is None):
             raise ValueError("give either `layers` (explicit indices) or `auto` (chosen on calibration data)")
-        if self.auto is not None and self.calibration is None:
-            raise ValueError("`auto` needs `calibration` text to measure the layers on")
-        if self.layers is not None and self.calibration is not None:
-            raise ValueError("`calibration` is only used with `auto`")
+        if (self.auto is not None or self.bridge != "none") and self.calibration is None:
+            raise ValueError("`auto` and `bridge` need `calibration` text to measure the layers on")
+        if self.layers is not None and self.calibration is not None and self.bridge == "none":
+            raise ValueError("`calibration` is only used with `auto` or `bridge`")
         return self
 
 
@@ -61,23 +66,35 @@ class DropLayers(Operation):
 
     def plan(self, params: DropLayersParams, state: ModelState, ctx: StepContext):
         n = state.config.num_hidden_layers
+        where = ""
+        if params.calibration is not None:
+            try:
+                files = resolve_text_files(params.calibration, ctx.recipe_dir)
+            except ParamError as exc:
+                raise exc.under(("calibration",)) from None
+            ctx.facts["calibration_files"] = files
+            where = f" on {describe_files(files)}"
         if params.layers is not None:
             listed = expand_layers(params.layers, n, ("layers",))
             dropped = sorted(set(listed))
             if len(dropped) != len(listed):
                 raise ParamError(("layers",), "a layer is listed twice")
             note = f"drop {format_ranges(dropped)}"
+            if params.bridge != "none" and dropped[0] == 0:
+                raise ParamError(("layers",), "a linear bridge folds into the layer before a dropped block: "
+                                 "layer 0 has none (use bridge: none, or keep layer 0)")
         else:
             count = params.auto.count
             if count >= n:
                 raise ParamError(("auto", "count"), f"cannot drop {count} of {n} layers (at least one must stay)")
-            try:
-                files = resolve_text_files(params.calibration, ctx.recipe_dir)
-            except ParamError as exc:
-                raise exc.under(("calibration",)) from None
-            ctx.facts["calibration_files"] = files
             dropped = list(range(n - count, n))  # placeholder of the right size; chosen at run time
-            note = f"drop {count} by {params.auto.metric} on {describe_files(files)} (chosen at run time)"
+            note = f"drop {count} by {params.auto.metric}{where} (chosen at run time)"
+        if params.bridge != "none":
+            if state.config.model_type not in BRIDGEABLE_MODEL_TYPES:
+                raise ParamError(("bridge",), f"a linear bridge needs an MLP that adds to the residual stream "
+                                 f"directly ({', '.join(BRIDGEABLE_MODEL_TYPES)}); "
+                                 f"{state.config.model_type} normalises it first")
+            note += f", linear bridge fitted{where}"
         if len(dropped) >= n:
             raise ParamError(("layers",), f"cannot drop all {n} layers")
         kept = [i for i in range(n) if i not in dropped]
@@ -87,27 +104,51 @@ class DropLayers(Operation):
     def apply(self, params: DropLayersParams, patient: Patient, ctx: StepContext) -> Patient:
         model = patient.model
         n = model.config.num_hidden_layers
+        windows = None
+        if params.calibration is not None:
+            files = ctx.facts.get("calibration_files") or resolve_text_files(params.calibration, ctx.recipe_dir)
+            windows = token_windows(patient.tokenizer, files, params.calibration)
         if params.layers is not None:
             dropped, why, details = sorted(set(expand_layers(params.layers, n, ("layers",)))), "named in the recipe", {}
         else:
-            files = ctx.facts.get("calibration_files") or resolve_text_files(params.calibration, ctx.recipe_dir)
-            windows = token_windows(patient.tokenizer, files, params.calibration)
             dropped, why, details = _choose(model, windows, params.auto, patient.fingerprint())
             why += f" on {describe_files(files)}"
+        if windows is not None:
             details["calibration"] = {"files": [str(f) for f in files], "windows": list(windows.shape)}
         kept = [i for i in range(n) if i not in dropped]
         child = architecture.keep_layers(model, kept)
+        if params.bridge == "linear":
+            why += "; " + _bridge(model, child, windows, dropped, kept, details)
         entry = Provenance(
             op=self.name,
-            what=f"dropped layers {format_ranges(dropped)} ({len(dropped)} of {n})",
+            what=f"dropped layers {format_ranges(dropped)} ({len(dropped)} of {n})"
+            + (", with a linear bridge" if params.bridge == "linear" else ""),
             why=why,
-            params={"layers": dropped, **({"metric": params.auto.metric} if params.auto else {})},
+            params={"layers": dropped, **({"metric": params.auto.metric} if params.auto else {}),
+                    **({"bridge": params.bridge} if params.bridge != "none" else {})},
             before=patient.shape().as_dict(),
             after=architecture.shape_of(child.config, child.dtype).as_dict(),
             details=details,
         )
         origin = patient.layer_origin()
         return patient.with_model(child, entry, origin=[origin[i] for i in kept])
+
+
+def _bridge(model, child, windows, dropped: list[int], kept: list[int], details: dict) -> str:
+    """Fit a linear bridge over each dropped block (on `model`) and fold it into `child`."""
+    runs = contiguous_runs(dropped)
+    skipped = [run for run in runs if run[0] == 0]  # nothing before layer 0 to fold into
+    fitted = fit_bridges(model, windows, [run for run in runs if run[0] > 0])
+    details["bridge"] = []
+    for (a, b), (t, relative) in fitted.items():
+        fold_into_down_proj(child.model.layers[kept.index(a - 1)], t)
+        details["bridge"].append({"dropped": format_ranges(list(range(a, b + 1))), "into_layer": a - 1,
+                                  "error_vs_plain_drop": round(relative, 4)})
+    parts = [f"layers {d['dropped']} bridged into layer {d['into_layer']}'s MLP "
+             f"(residual error {d['error_vs_plain_drop']:.2f}x the plain drop's)" for d in details["bridge"]]
+    if skipped:
+        parts.append(f"{format_ranges(list(range(skipped[0][0], skipped[0][1] + 1)))} not bridged (no layer before it)")
+    return "; ".join(parts)
 
 
 def _choose(model, windows, auto: AutoDrop, fingerprint: str) -> tuple[list[int], str, dict]:
