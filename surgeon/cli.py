@@ -103,6 +103,8 @@ def _run(args) -> None:
 
     started = time.perf_counter()
     result = run_recipe(load_recipe(args.recipe), out=args.out, overwrite=args.overwrite, resume=args.resume)
+    for step in result.report["provenance"]:
+        print(f"{step['op']}: {step['what']}\n    {step['why']}")
     for stage in result.report["stages"]:
         print(_stage_line(stage))
     print(f"exported {result.target} in {time.perf_counter() - started:.0f} s")

@@ -90,6 +90,7 @@ def test_run_then_eval(write_recipe, tiny_llama, text_dir, tmp_path, surgeon):
     result = surgeon("run", path, "--out", out)
     assert result.returncode == 0, result.stderr
     assert "after drop_layers on heldout.txt: kl_mean" in result.stdout and (out / "model.safetensors").is_file()
+    assert "drop_layers: dropped layer 4 (1 of 6)" in result.stdout
     assert re.search(r"after drop_layers: instructions \d+/26 right \(parent \d+/26\)", result.stdout)
 
     again = surgeon("run", path, "--out", out)

@@ -43,7 +43,7 @@ def test_heal_reduces_kl_and_reports_it(write_recipe, tiny_llama, text_dir, tmp_
     before, after = (s["metrics"] for s in result.report["stages"])
     assert after["kl_mean"] < 0.8 * before["kl_mean"], (before, after)
     entry = result.report["provenance"][-1]
-    assert entry["op"] == "heal"
+    assert entry["op"] == "heal" and " on calibration.txt; held-out KL " in entry["why"]
     heldout = entry["details"]["heldout"]
     assert heldout[0]["step"] == 0 and heldout[-1]["kl_mean"] < heldout[0]["kl_mean"]
     assert entry["details"]["training"]["shared_prefix_layers"] == 2  # layers 0-1 came from the teacher

@@ -121,7 +121,7 @@ class DropLayers(Operation):
             why += "; " + _bridge(model, child, windows, dropped, kept, details)
         entry = Provenance(
             op=self.name,
-            what=f"dropped layers {format_ranges(dropped)} ({len(dropped)} of {n})"
+            what=f"dropped layer{'s' if len(dropped) > 1 else ''} {format_ranges(dropped)} ({len(dropped)} of {n})"
             + (", with a linear bridge" if params.bridge == "linear" else ""),
             why=why,
             params={"layers": dropped, **({"metric": params.auto.metric} if params.auto else {}),

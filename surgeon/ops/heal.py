@@ -69,7 +69,8 @@ class Heal(Operation):
         ctx.facts["trainable"] = counts
         share = counts["trainable"] / counts["total"]
         tokens = params.steps * params.batch_size * params.grad_accum * params.data.window
-        how = " + ".join(filter(None, [f"{len(params.train.params)} globs" if params.train.params else "",
+        globs = params.train.params or []
+        how = " + ".join(filter(None, [" ".join(f"`{g}`" for g in globs),
                                        f"LoRA r={params.train.lora.r}" if params.train.lora else ""]))
         note = (f"train {counts['trainable'] / 1e6:.2f}M params ({share:.1%}, {how}); {params.steps} steps, "
                 f"~{tokens / 1e3:.0f}K tokens; teacher {params.teacher}")
@@ -105,7 +106,8 @@ class Heal(Operation):
         evals = result.evals
         kl_text = (f"; held-out KL {evals[0]['kl_mean']:.4f} -> {evals[-1]['kl_mean']:.4f}"
                    if len(evals) >= 2 else "")
-        sources = ", ".join(s.kind for s in params.data.sources)
+        named = [describe_files(files[i]) if i in files else
+                 f"the teacher's answers to {len(s.self_distill.prompts)} prompts" for i, s in enumerate(params.data.sources)]
         entry = Provenance(
             op=self.name,
             what=(f"healed for {result.steps_done} steps on {result.tokens:,} target tokens "
@@ -113,7 +115,7 @@ class Heal(Operation):
             why=(f"distillation from the {params.teacher} (KL x{params.loss.kl} at T={params.loss.temperature}"
                  f"{f', CE x{params.loss.ce}' if params.loss.ce else ''}"
                  f"{f', hidden x{params.loss.hidden}' if params.loss.hidden else ''}) on "
-                 f"{describe_files([f for fs in files.values() for f in fs]) or sources}{kl_text}"),
+                 f"{' + '.join(named)}{kl_text}"),
             # The run digest (recipe, data, what trained) makes the patient's fingerprint unique to
             # this training, so caches keyed by it never mistake one healed model for another.
             params={"steps": result.steps_done, "trainable": counts, "teacher": params.teacher, "run": digest},
