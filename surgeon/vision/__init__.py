@@ -1,0 +1,1 @@
+"""Vision parts for grafting an image encoder into a language model."""

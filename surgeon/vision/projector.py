@@ -1,0 +1,51 @@
+"""Projectors: vision tokens (B, N, C_vision) -> LM embeddings (B, N', C_lm).
+
+- `linear`: one Linear (LLaVA-1).
+- `mlp2x_gelu`: Linear, GELU, Linear (LLaVA-1.5).
+- `pixel_shuffle`: groups each f x f block of the token grid into one token with f*f times the
+  channels, then one Linear (nanoVLM / SmolVLM): f*f fewer image tokens for the LM to read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PROJECTORS = ("linear", "mlp2x_gelu", "pixel_shuffle")
+
+
+def pixel_shuffle(tokens: torch.Tensor, grid: tuple[int, int], factor: int) -> torch.Tensor:
+    """(B, rows*cols, C) laid out row-major -> (B, rows*cols/f^2, C*f^2); each output token holds
+    one f x f block, its rows concatenated in order."""
+    batch, count, channels = tokens.shape
+    rows, cols = grid
+    if count != rows * cols or rows % factor or cols % factor:
+        raise ValueError(f"pixel shuffle by {factor} needs a token grid divisible by it, got {rows}x{cols}")
+    x = tokens.reshape(batch, rows // factor, factor, cols // factor, factor, channels)
+    x = x.permute(0, 1, 3, 2, 4, 5)  # (B, block row, block col, row in block, col in block, C)
+    return x.reshape(batch, (rows // factor) * (cols // factor), factor * factor * channels)
+
+
+class Projector(nn.Module):
+    def __init__(self, kind: str, vision_size: int, lm_size: int, grid: tuple[int, int] | None = None,
+                 factor: int = 2):
+        super().__init__()
+        if kind not in PROJECTORS:
+            raise ValueError(f"unknown projector {kind!r}; choose one of {', '.join(PROJECTORS)}")
+        if kind == "pixel_shuffle" and grid is None:
+            raise ValueError("pixel_shuffle needs a tower whose tokens form a grid (drop the CLS token)")
+        self.kind, self.grid, self.factor = kind, grid, factor
+        if kind == "linear":
+            self.proj = nn.Linear(vision_size, lm_size)
+        elif kind == "mlp2x_gelu":
+            self.proj = nn.Sequential(nn.Linear(vision_size, lm_size), nn.GELU(), nn.Linear(lm_size, lm_size))
+        else:
+            self.proj = nn.Linear(vision_size * factor * factor, lm_size, bias=False)
+
+    def tokens_out(self, tokens_in: int) -> int:
+        return tokens_in // (self.factor * self.factor) if self.kind == "pixel_shuffle" else tokens_in
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.kind == "pixel_shuffle":
+            tokens = pixel_shuffle(tokens, self.grid, self.factor)
+        return self.proj(tokens)
