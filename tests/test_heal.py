@@ -63,11 +63,20 @@ def test_plan_shows_trainable_parameters_and_checks_them(write_recipe, tiny_llam
     plan = plan_recipe(load_recipe(heal_recipe(write_recipe, tiny_llama, text_dir)))
     row = plan.rows[3]
     assert row.step == "steps[2].heal" and "train " in row.note and "%" in row.note
-    assert "steps[2].heal" in format_plan(plan)
+    assert "steps[2].heal" in format_plan(plan) and "`model.layers.[2-3]`" in row.note
     bad = heal_recipe(write_recipe, tiny_llama, text_dir, train={"params": ["model.layer.*"]}, name="bad.yaml")
     with pytest.raises(RecipeError) as info:
         plan_recipe(load_recipe(bad))
     assert "steps[2].heal.train.params: ['model.layer.*'] match no parameter" in info.value.problems[0]
+
+
+def test_report_names_every_data_source(write_recipe, tiny_llama, text_dir, tmp_path):
+    data = {"sources": [{"self_distill": {"prompts": ["the garden", "a letter"], "max_new_tokens": 40}},
+                        {"text": f"{text_dir}/calibration.txt", "tokens": 512}],
+            "window": 32, "heldout_windows": 2}
+    path = heal_recipe(write_recipe, tiny_llama, text_dir, data=data, steps=2, eval={"every": 1})
+    why = run_recipe(load_recipe(path), out=tmp_path / "x").report["provenance"][-1]["why"]
+    assert " on the teacher's answers to 2 prompts + calibration.txt; held-out KL " in why
 
 
 def test_prefix_sharing_gives_the_students_own_forward(tiny_llama):
