@@ -12,10 +12,9 @@ import torch
 
 from surgeon.errors import DataError, SourceError
 from surgeon.vision.mnist import mnist_examples, read_mnist
-from surgeon.vision.projector import Projector, pixel_shuffle
+from surgeon.modeling.projector import Projector, pixel_shuffle
 from surgeon.vision.synthetic import COLOURS, KINDS, SyntheticQuestions
-from surgeon.vision.towers import (TimmTower, TransformersTower, load_donor_state, read_checkpoint,
-                                   timm_tower)
+from surgeon.vision.towers import load_donor_state, read_checkpoint, timm_tower, transformers_tower
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 MNIST = SHARED / "images" / "mnist_5k.csv.gz"
@@ -45,21 +44,18 @@ def _tiny_cnn():
 
 
 def test_timm_cnn_tower_flattens_feature_maps_into_tokens():
-    tower = TimmTower(_tiny_cnn().eval(), image_size=64)
+    tower = timm_tower("tf_efficientnet_lite0", None, image_size=64)
     tokens = tower(torch.randn(2, 3, 64, 64))
-    assert tokens.shape == (2, 4, 1280) and tower.grid == (2, 2) and tower.tokens_per_image() == 4
+    assert tokens.shape == (2, 4, 1280) and tower.grid == (2, 2) and tower.tokens == 4
     maps = tower.model.forward_features(torch.ones(1, 3, 64, 64))
     assert torch.equal(tower(torch.ones(1, 3, 64, 64))[0, 1], maps[0, :, 0, 1])  # row-major
 
 
 def test_timm_vit_tower_drops_prefix_tokens():
-    import timm
-
-    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=64)
-    tower = TimmTower(vit.eval(), image_size=64)
-    assert tower(torch.randn(1, 3, 64, 64)).shape == (1, 16, 192) and tower.grid == (4, 4)
-    kept = TimmTower(vit.eval(), image_size=64, drop_prefix_tokens=False)
-    assert kept(torch.randn(1, 3, 64, 64)).shape == (1, 17, 192) and kept.grid is None
+    tower = timm_tower("vit_tiny_patch16_224", None, image_size=224)
+    assert tower(torch.randn(1, 3, 224, 224)).shape == (1, 196, 192) and tower.grid == (14, 14)
+    kept = timm_tower("vit_tiny_patch16_224", None, image_size=224, drop_prefix_tokens=False)
+    assert kept(torch.randn(1, 3, 224, 224)).shape == (1, 197, 192) and kept.grid is None and kept.tokens == 197
 
 
 def test_donor_checkpoint_pairs_by_order_or_by_key_map(tmp_path):
@@ -123,17 +119,17 @@ def _tiny_vision(kind: str):
 def test_transformers_tower_reads_the_chosen_layer(kind, has_cls):
     model = _tiny_vision(kind)
     pixels = torch.randn(2, 3, 32, 32)
-    last = TransformersTower(model, layer=-1)
-    second_last = TransformersTower(model, layer=-2)
-    assert last.has_cls is has_cls and last.grid == (4, 4) and last.tokens_per_image() == 16
+    last = transformers_tower(model, layer=-1)
+    second_last = transformers_tower(model, layer=-2)
+    assert last.has_cls is has_cls and last.grid == (4, 4) and last.tokens == 16
     a, b = last(pixels), second_last(pixels)
     assert a.shape == b.shape == (2, 16, 32) and not torch.allclose(a, b)
     hidden = model(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
     assert torch.allclose(b, hidden[:, 1:] if has_cls else hidden)
-    keep = TransformersTower(model, layer=-2, drop_cls=False)
+    keep = transformers_tower(model, layer=-2, drop_cls=False)
     assert keep(pixels).shape[1] == 16 + has_cls
     with pytest.raises(SourceError, match="out of range"):
-        TransformersTower(model, layer=5)
+        transformers_tower(model, layer=5)
 
 
 def test_synthetic_questions_are_seeded_disjoint_and_answerable():

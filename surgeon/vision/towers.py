@@ -1,12 +1,7 @@
-"""Vision towers: a donor's image encoder seen as one thing, pixels (B, 3, H, W) -> tokens (B, N, C).
-
-Two kinds of donor:
-- a timm architecture with a local checkpoint (CNN feature maps are flattened row-major into H*W
-  tokens; a ViT's prefix tokens can be dropped);
-- the vision model of a transformers checkpoint (CLIP, SigLIP, or a LLaVA-style VLM's
-  `vision_tower`), read at a chosen hidden layer, CLS token dropped or kept.
-
-The projector that follows sees only (B, N, C); which layer and which tokens is decided here.
+"""Vision towers from donors: a timm architecture with a local checkpoint, or the vision model of a
+transformers checkpoint (CLIP, SigLIP, or a LLaVA-style VLM's `vision_tower`). The tower modules
+themselves (pixels -> tokens) are in surgeon/modeling/towers.py; this file builds them, loads
+donor weights without pickle, and turns what cannot work into a SourceError.
 """
 
 from __future__ import annotations
@@ -18,85 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import SourceError
-
-
-class VisionTower(nn.Module):
-    """pixels -> tokens. `hidden_size` is C; `grid` is (rows, cols) of the token layout, or None
-    when the tokens are not a grid (pixel shuffle needs one)."""
-
-    hidden_size: int
-
-    def tokens_per_image(self) -> int:
-        rows, cols = self.grid
-        return rows * cols
-
-
-class TimmTower(VisionTower):
-    """A timm model's `forward_features`, as tokens. Frozen BatchNorm statistics stay frozen
-    because the tower runs in eval mode unless it is being trained."""
-
-    def __init__(self, model: nn.Module, image_size: int, drop_prefix_tokens: bool = True):
-        super().__init__()
-        self.model = model
-        self.image_size = image_size
-        self.drop_prefix = int(getattr(model, "num_prefix_tokens", 0)) if drop_prefix_tokens else 0
-        self.hidden_size = model.num_features
-        training = model.training
-        with torch.no_grad():  # eval for the probe, so BatchNorm statistics are left alone
-            probe = model.eval().forward_features(torch.zeros(1, 3, image_size, image_size))
-        model.train(training)
-        if probe.dim() == 4:  # CNN: (B, C, H, W)
-            self.grid = (probe.shape[2], probe.shape[3])
-            self._count = probe.shape[2] * probe.shape[3]
-        else:  # ViT: (B, prefix + N, C)
-            n = probe.shape[1] - self.drop_prefix
-            side = int(round(n ** 0.5))
-            self.grid = (side, side) if side * side == n else None
-            self._count = n
-
-    def tokens_per_image(self) -> int:
-        return self._count
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        features = self.model.forward_features(pixel_values)
-        if features.dim() == 4:
-            return features.flatten(2).transpose(1, 2)
-        return features[:, self.drop_prefix:]
-
-
-class TransformersTower(VisionTower):
-    """A CLIP / SigLIP vision model (or a VLM's vision tower) read at `layer` (negative counts from
-    the end, as LLaVA's -2), with the CLS token dropped when `drop_cls` and the model has one."""
-
-    def __init__(self, model: nn.Module, layer: int = -1, drop_cls: bool = True):
-        super().__init__()
-        self.model = model
-        config = model.config
-        self.hidden_size = config.hidden_size
-        self.image_size = config.image_size
-        layers = config.num_hidden_layers
-        if not -layers <= layer <= layers:
-            raise SourceError(f"vision layer {layer} out of range (the tower has {layers} layers; "
-                              f"0 is the embeddings, -1 the last layer)")
-        # hidden_states holds the embeddings and then each layer: layer k is index k, or k - (layers + 1).
-        self.layer = layer - (layers + 1) if layer >= 0 else layer
-        patches = (config.image_size // config.patch_size) ** 2
-        # CLIP prepends a class embedding; SigLIP has none.
-        self.has_cls = hasattr(getattr(model, "vision_model", model).embeddings, "class_embedding")
-        self.drop_cls = drop_cls and self.has_cls
-        side = config.image_size // config.patch_size
-        self.grid = (side, side) if not (self.has_cls and not self.drop_cls) else None
-        self._count = patches + (1 if self.has_cls and not self.drop_cls else 0)
-
-    def tokens_per_image(self) -> int:
-        return self._count
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        out = self.model(pixel_values=pixel_values, output_hidden_states=True)
-        hidden = out.hidden_states[self.layer]
-        if self.layer == -1 and getattr(out, "last_hidden_state", None) is not None:
-            hidden = out.last_hidden_state  # the final layer norm applies to the last layer only
-        return hidden[:, 1:] if self.drop_cls else hidden
+from ..modeling.towers import TimmTower, TransformersTower
 
 
 def load_donor_state(model: nn.Module, state: dict[str, torch.Tensor], key_map: dict[str, str] | None,
@@ -172,7 +89,23 @@ def timm_tower(architecture: str, checkpoint: Path | None, key_map: dict[str, st
         state = {k: v for k, v in state.items() if not _is_classifier(k, v, classifier)}
         load_donor_state(model, state, key_map, str(checkpoint), ordered=Path(checkpoint).suffix != ".safetensors")
     size = image_size or model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
-    return TimmTower(model.eval(), size, drop_prefix_tokens)
+    model.eval()
+    with torch.no_grad():  # one probe at the working size gives the token layout
+        probe = model.forward_features(torch.zeros(1, 3, size, size))
+    if probe.dim() == 4:  # CNN: (B, C, H, W)
+        grid, tokens = (probe.shape[2], probe.shape[3]), probe.shape[2] * probe.shape[3]
+    else:  # ViT: (B, prefix + N, C)
+        tokens = probe.shape[1] - (int(getattr(model, "num_prefix_tokens", 0)) if drop_prefix_tokens else 0)
+        side = int(round(tokens ** 0.5))
+        grid = (side, side) if side * side == tokens else None
+    return TimmTower(model, grid, tokens, drop_prefix_tokens)
+
+
+def transformers_tower(model: nn.Module, layer: int = -1, drop_cls: bool = True) -> TransformersTower:
+    try:
+        return TransformersTower(model, layer, drop_cls)
+    except ValueError as exc:
+        raise SourceError(str(exc)) from None
 
 
 def _is_classifier(name: str, tensor: torch.Tensor, classifier: str | None) -> bool:
