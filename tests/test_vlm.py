@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, CLIPVisionConfig
 
+from surgeon.errors import DataError
 from surgeon.modeling import SurgeonVLMConfig, SurgeonVLMForConditionalGeneration
 
 from conftest import tiny_config
@@ -89,3 +90,51 @@ def test_save_and_load_give_identical_logits(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, pixel_values=pixels).logits,
                            loaded(input_ids=ids, pixel_values=pixels).logits)
+
+
+@pytest.fixture
+def processor(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from surgeon.vision.processor import ImageTransform, VLMProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return VLMProcessor(tokenizer, ImageTransform(32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)), image_seq_length=16)
+
+
+def test_processor_expands_images_and_targets_only_answers(processor):
+    from surgeon.vision.processor import collate
+    from surgeon.vision.synthetic import SyntheticQuestions
+
+    assert processor.image_token_id == 320  # past the tiny LM's 320-token vocabulary
+    one, two = SyntheticQuestions(seed=0, size=48).examples("train", 2)
+    two["images"].append(one["images"][0])
+    two["messages"][0]["content"].insert(0, {"type": "image"})
+    a, b = processor.encode(one), processor.encode(two)
+    assert a.ids.count(320) == 16 and b.ids.count(320) == 32 and b.pixel_values.shape == (2, 3, 32, 32)
+    answer = processor.tokenizer.decode([t for t, m in zip(a.ids, a.mask) if m])
+    assert answer.startswith(one["answer"])  # the answer and the end of the turn, nothing else
+    batch = collate([a, b], pad_id=2)
+    assert batch["pixel_values"].shape == (3, 3, 32, 32) and batch["input_ids"].shape[0] == 2
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    with pytest.raises(DataError, match="1 image parts in the messages but 2 images given"):
+        processor.encode({"images": one["images"] * 2, "messages": one["messages"]})
+
+
+def test_projector_only_training_step_touches_only_the_projector(processor):
+    from surgeon.vision.processor import collate
+    from surgeon.vision.synthetic import SyntheticQuestions
+
+    model = tiny_vlm()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("projector."))
+    records = list(SyntheticQuestions(seed=1, size=32).examples("train", 3))
+    batch = collate([processor.encode(r) for r in records], pad_id=2)
+    loss = model(**batch).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(n.startswith("projector.") for n in grads)
+    inputs = processor.prompt(records[0]["messages"][:1], records[0]["images"])
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=2)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3

@@ -181,7 +181,7 @@ def _documents(source: Source, files: list[Path], tokenizer, assistant_only: boo
         return [_record(tokenizer, record, assistant_only, f"{source.dataset} row {i}", source.field)
                 for i, record in enumerate(_dataset_records(source, files))]
     chats = self_distill_chats(source.self_distill, tokenizer, teacher, fingerprint)
-    return [_chat(tokenizer, messages, assistant_only) for messages in chats]
+    return [render_chat(tokenizer, messages, assistant_only) for messages in chats]
 
 
 def _plain(tokenizer, text: str) -> Document:
@@ -191,13 +191,13 @@ def _plain(tokenizer, text: str) -> Document:
 
 def _record(tokenizer, record: Any, assistant_only: bool, where: str, field: str = "text") -> Document:
     if isinstance(record, dict) and "messages" in record:
-        return _chat(tokenizer, record["messages"], assistant_only, where)
+        return render_chat(tokenizer, record["messages"], assistant_only, where)
     if isinstance(record, dict) and isinstance(record.get(field), str):
         return _plain(tokenizer, record[field])
     raise DataError(f"{where}: expected a '{field}' string or a 'messages' list")
 
 
-def _chat(tokenizer, messages: list[dict], assistant_only: bool, where: str = "chat") -> Document:
+def render_chat(tokenizer, messages: list[dict], assistant_only: bool, where: str = "chat") -> Document:
     """Render with the chat template; with assistant_only, only assistant turns are targets.
 
     Assistant spans are found by rendering each prefix of the conversation, which works for any
