@@ -92,6 +92,37 @@ def test_save_and_load_give_identical_logits(tmp_path):
                            loaded(input_ids=ids, pixel_values=pixels).logits)
 
 
+def test_plain_transformers_loads_the_export_as_remote_code(tmp_path):
+    """save_pretrained writes the model's code beside the weights (auto_map): a process that never
+    imports surgeon loads it with trust_remote_code=True and gets the same logits."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    model = tiny_vlm()
+    folder = tmp_path / "vlm"
+    model.save_pretrained(folder)
+    assert {"vlm.py", "towers.py", "projector.py"} <= {p.name for p in folder.iterdir()}
+    ids, pixels = prompt(model, 1, [5, 9]), torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixels).logits
+    save_file({"ids": ids, "pixels": pixels, "logits": logits}, str(tmp_path / "probe.safetensors"))
+    code = f"""
+import sys, torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+model = AutoModelForImageTextToText.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+probe = load_file({str(tmp_path / "probe.safetensors")!r})
+with torch.no_grad():
+    same = torch.equal(model(input_ids=probe["ids"], pixel_values=probe["pixels"]).logits, probe["logits"])
+print(same, "surgeon" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+
+
 @pytest.fixture
 def processor(tokenizer_dir):
     from transformers import AutoTokenizer
