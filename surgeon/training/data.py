@@ -207,20 +207,20 @@ def render_chat(tokenizer, messages: list[dict], assistant_only: bool, where: st
         raise DataError(f"{where}: 'messages' must be a list of {{role, content}}")
     if tokenizer.chat_template is None:
         raise DataError(f"{where}: chat data needs a tokenizer with a chat template")
-    ids = _render(tokenizer, messages, generation_prompt=False)
+    ids = chat_ids(tokenizer, messages, generation_prompt=False)
     mask = [not assistant_only] * len(ids)
     if assistant_only:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(_render(tokenizer, messages[:i], generation_prompt=True))
-            end = len(_render(tokenizer, messages[: i + 1], generation_prompt=False))
+            start = len(chat_ids(tokenizer, messages[:i], generation_prompt=True))
+            end = len(chat_ids(tokenizer, messages[: i + 1], generation_prompt=False))
             for t in range(start, min(end, len(ids))):
                 mask[t] = True
     return Document(ids, mask)
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
     if not messages:
         return []
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
-from ..training.data import Document, render_chat
+from ..training.data import Document, chat_ids, render_chat
 
 IMAGE_TOKEN = "<image>"
 
@@ -87,10 +87,8 @@ class VLMProcessor:
 
     def prompt(self, messages: list[dict], images: list[Image.Image]) -> dict:
         """Generation inputs for one chat: input_ids (1, n) ending in the assistant prompt, and pixel_values."""
-        text = self.tokenizer.apply_chat_template(self.flatten(messages, len(images), "prompt"), tokenize=False,
-                                                  add_generation_prompt=True)
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        return {"input_ids": ids, "pixel_values": self.pixels(images) if images else None}
+        ids = chat_ids(self.tokenizer, self.flatten(messages, len(images), "prompt"), generation_prompt=True)
+        return {"input_ids": torch.tensor([ids]), "pixel_values": self.pixels(images) if images else None}
 
     def pixels(self, images: list) -> torch.Tensor:
         if not images:
@@ -109,8 +107,7 @@ def collate(batch: list[Encoded], pad_id: int) -> dict:
         n = len(item.ids)
         ids[row, :n] = torch.tensor(item.ids)
         attention[row, :n] = 1
-        targets = torch.tensor(item.ids).masked_fill(~torch.tensor(item.mask), -100)
-        labels[row, :n] = targets
+        labels[row, :n] = ids[row, :n].masked_fill(~torch.tensor(item.mask), -100)
     pixels = [item.pixel_values for item in batch if item.pixel_values.shape[0]]
     return {"input_ids": ids, "attention_mask": attention, "labels": labels,
             "pixel_values": torch.cat(pixels) if pixels else None}
