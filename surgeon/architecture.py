@@ -69,8 +69,15 @@ def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def language_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The LM's config: a grafted VLM's text_config, else the config itself."""
+    return config.text_config if config.model_type == "surgeon_vlm" else config
+
+
 def shape_of(config: PretrainedConfig, dtype: torch.dtype) -> Shape:
+    """The LM's shape (a grafted VLM's language model), with every parameter counted."""
     params = count_parameters(config)
+    config = language_config(config)
     return Shape(
         layers=config.num_hidden_layers,
         heads=config.num_attention_heads,
@@ -86,7 +93,12 @@ def shape_of(config: PretrainedConfig, dtype: torch.dtype) -> Shape:
 def count_parameters(config: PretrainedConfig) -> int:
     """Parameters of the model `config` describes, counted on the meta device (no memory, no weights)."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        if config.model_type == "surgeon_vlm":
+            from .modeling import SurgeonVLMForConditionalGeneration
+
+            model = SurgeonVLMForConditionalGeneration(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())  # tied weights are one Parameter, counted once
 
 

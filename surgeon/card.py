@@ -6,14 +6,16 @@ import yaml
 
 from .metrics import METRIC_NAMES
 
-_TAGS_BY_OP = {"drop_layers": "layer-pruning", "stack": "passthrough", "heal": "distillation", "evaluate": None}
+_TAGS_BY_OP = {"drop_layers": "layer-pruning", "stack": "passthrough", "heal": "distillation", "evaluate": None,
+               "graft_vision": "vision-graft"}
 
 
 def render_card(report: dict, recipe_text: str, plots: list[str] = ()) -> str:
     tags = ["model-surgeon"] + sorted({t for p in report["provenance"] if (t := _TAGS_BY_OP.get(p["op"]))})
+    vision = any(p["op"] == "graft_vision" for p in report["provenance"])
     front = {
         "library_name": "transformers",
-        "pipeline_tag": "text-generation",
+        "pipeline_tag": "image-text-to-text" if vision else "text-generation",
         "tags": tags,
     }
     if report["base"].get("hub_id"):
@@ -71,20 +73,15 @@ def render_card(report: dict, recipe_text: str, plots: list[str] = ()) -> str:
             m = stage["metrics"]
             lines.append(f"| {stage['name']} | {m['correct']}/{m['total']} | {m['parent_correct']}/{m['total']} |")
         lines.append("")
+    vision_stages = [s for s in report["stages"] if s.get("kind") == "vision"]
+    if vision_stages:
+        lines += _vision_section(vision_stages)
     lines += [f"![{name.removesuffix('.png')}]({name})\n" for name in plots]
     for entry in report["provenance"]:
         if entry["op"] == "heal":
             lines += _healing_section(entry)
+    lines += _use_section(vision, report)
     lines += [
-        "## Use",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
-        "```",
-        "",
         "## Recipe",
         "",
         "```yaml",
@@ -107,8 +104,14 @@ def _healing_section(entry: dict) -> list[str]:
         f"- trained {entry['params']['trainable']['trainable']:,} of {entry['params']['trainable']['total']:,} parameters"
         + (f"; the first {training['shared_prefix_layers']} layers were shared with the teacher and skipped"
            if training["shared_prefix_layers"] else ""),
-        f"- data: {data['train_windows']} windows of {data['window']} tokens, {data['heldout_windows']} held out",
     ]
+    if "train_examples" in data:  # a grafted VLM trained on image questions
+        lines.append(f"- data: {data['train_examples']:,} image questions, {data['heldout_examples']} held out")
+        if len(heldout) >= 2:
+            lines.append(f"- held-out answer loss {heldout[0]['loss']:.4f} -> {heldout[-1]['loss']:.4f}; exact answers "
+                         f"{heldout[0]['exact']:.1%} -> {heldout[-1]['exact']:.1%}")
+        return lines + [""]
+    lines.append(f"- data: {data['train_windows']} windows of {data['window']} tokens, {data['heldout_windows']} held out")
     if len(heldout) >= 2:
         lines.append(f"- held-out KL: {heldout[0]['kl_mean']:.4f} before healing, {heldout[-1]['kl_mean']:.4f} after")
     return lines + [""]
@@ -118,3 +121,51 @@ def _fmt(value) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
+
+
+def _vision_section(stages: list[dict]) -> list[str]:
+    lines = ["## Image questions", "",
+             "Exact answers (greedy decoding) on held-out image questions; *shuffled* asks the same questions "
+             "about other examples' images, and *chance* is what always giving the commonest answer of each "
+             "kind scores.", "", "| stage | data | kind | accuracy | shuffled | chance | examples |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for stage in stages:
+        m = stage["metrics"]
+        sources = sorted({k.removesuffix("_accuracy") for k in m
+                          if k.endswith("_accuracy") and not k.endswith("_shuffled_accuracy")})
+        for source in sources:
+            kinds = sorted(k.removeprefix(f"{source}_accuracy_") for k in m if k.startswith(f"{source}_accuracy_"))
+            kinds = [] if kinds == [source] else kinds  # one kind (mnist): the "all" row says it
+            for kind in ["all", *kinds]:
+                suffix = "" if kind == "all" else f"_{kind}"
+                shuffled = m.get(f"{source}_shuffled_accuracy{suffix}")
+                count = m.get(f"{source}_examples{suffix}")
+                lines.append(f"| {stage['name']} | {source} | {kind} | {m[f'{source}_accuracy{suffix}']:.1%} | "
+                             f"{'' if shuffled is None else f'{shuffled:.1%}'} | "
+                             f"{_fmt_share(m.get(f'{source}_chance')) if kind == 'all' else ''} | "
+                             f"{'' if count is None else count} |")
+    return lines + [""]
+
+
+def _fmt_share(value) -> str:
+    return "" if value is None else f"{value:.1%}"
+
+
+def _use_section(vision: bool, report: dict) -> list[str]:
+    if not vision:
+        return ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")',
+                'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")', "```", ""]
+    remote = report.get("export_class") != "LlavaForConditionalGeneration"
+    flag = ", trust_remote_code=True" if remote else ""
+    return ["## Use", "", "```python", "from PIL import Image",
+            "from transformers import AutoModelForImageTextToText, AutoProcessor", "",
+            f'model = AutoModelForImageTextToText.from_pretrained("PATH_OR_REPO"{flag})',
+            f'processor = AutoProcessor.from_pretrained("PATH_OR_REPO"{flag})',
+            'chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]',
+            "prompt = processor.apply_chat_template(chat, add_generation_prompt=True)",
+            'inputs = processor(images=[Image.open("picture.png")], text=prompt, return_tensors="pt")',
+            "out = model.generate(**inputs, max_new_tokens=16, do_sample=False)",
+            'print(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))', "```",
+            "" if not remote else "The model class is saved beside the weights (`auto_map`); "
+            "`trust_remote_code=True` runs that code, which you can read first.", ""]

@@ -19,6 +19,8 @@ from .card import render_card
 from .errors import ExportError
 from .plots import report_plots
 from .sources import DTYPES
+from .vision.export import hf_processor, llava_compatible, to_llava
+from .vision.graft import is_vlm
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +56,20 @@ def export_model(
     tmp = temporary_sibling(target)
     try:
         tmp.mkdir()
+        processor = None
+        if is_vlm(model):
+            processor = hf_processor(model.config, tokenizer)
+            if llava_compatible(model.config):
+                model = to_llava(model)
         model.save_pretrained(tmp, state_dict=_converted_state(model, DTYPES[dtype]) if dtype else None)
         if dtype:  # save_pretrained records the in-memory dtype; the file holds `dtype`
             config_file = tmp / "config.json"
             config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "dtype": dtype}, indent=2) + "\n")
         tokenizer.save_pretrained(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
         (tmp / "recipe.yaml").write_text(recipe_text, encoding="utf-8")
+        report = {**report, "export_class": type(model).__name__}
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
         plots = report_plots(report)
         for name, png in plots.items():

@@ -52,6 +52,10 @@ def iter_logprob_chunks(model, windows: torch.Tensor, desc: str) -> Iterator[tup
     Position p predicts token p+1, so positions run over 0..W-2.
     """
     n, length = windows.shape
+    if model.config.model_type == "surgeon_vlm":
+        # Text-only windows: a grafted VLM's forward is its language model's, bit for bit
+        # (tests/test_vlm.py), so the text path is measured through the LM's own modules.
+        model = model.language_model
     chunk = max(16, _CHUNK_BYTES // (model.config.vocab_size * 4))
     device = next(model.parameters()).device
     for index in tqdm(range(n), desc=desc, unit="window", leave=False):

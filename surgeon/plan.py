@@ -62,6 +62,9 @@ def plan_recipe(recipe: Recipe) -> Plan:
         ctx = StepContext(
             recipe_dir=recipe.directory, sources=sources, index=step.index, label=step.label, previous_op=previous
         )
+        if state.config.model_type == "surgeon_vlm" and not OPERATIONS[step.op].accepts_vlm:
+            raise RecipeError([recipe.problem(("steps", step.index, step.op),
+                                              f"{step.op} edits the language model's layers: put it before graft_vision")])
         try:
             state, note = OPERATIONS[step.op].plan(step.params, state, ctx)
         except ParamError as exc:

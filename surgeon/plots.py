@@ -30,12 +30,21 @@ def _healing_curve(entry: dict) -> bytes:
     ax.plot(steps, [c["loss"] for c in curve], label="training loss", color="#4C72B0", linewidth=1.2)
     if any(c.get("kl") for c in curve):
         ax.plot(steps, [c["kl"] for c in curve], label="training KL", color="#55A868", linewidth=1.0, alpha=0.8)
+    vision = bool(heldout) and "exact" in heldout[0]
     if heldout:
-        ax.plot([h["step"] for h in heldout], [h["kl_mean"] for h in heldout], "o-", label="held-out KL",
+        key, label = ("loss", "held-out answer loss") if vision else ("kl_mean", "held-out KL")
+        ax.plot([h["step"] for h in heldout], [h[key] for h in heldout], "o-", label=label,
                 color="#C44E52", linewidth=1.5, markersize=4)
+    if vision:  # the share of held-out questions answered exactly, on its own axis
+        right = ax.twinx()
+        right.plot([h["step"] for h in heldout], [h["exact"] for h in heldout], "s--", color="#8172B2",
+                   label="held-out exact answers", markersize=3)
+        right.set_ylim(0, 1)
+        right.set_ylabel("exact answers")
+        right.legend(frameon=False, loc="center right")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("nats per token")
-    ax.set_title("Healing: distillation from the parent")
+    ax.set_title("Training the projector on image questions" if vision else "Healing: distillation from the parent")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
     return _png(fig)

@@ -81,6 +81,23 @@ def test_generate_with_images_matches_a_cache_free_greedy_loop():
     assert torch.equal(generated, expected)
 
 
+def test_batched_generate_with_different_image_counts_matches_each_row_alone():
+    model = tiny_vlm()
+    n, image = model.config.image_seq_length, model.config.image_token_id
+    rows = [[1] + [image] * n * 2 + [5, 9], [1] + [image] * n + [7, 40, 3, 11, 12, 13]]  # 2 images, 1 image
+    pixels = torch.randn(3, 3, 32, 32)
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[2] * (width - len(r)) + r for r in rows])  # left padding
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=2, eos_token_id=None)
+    with torch.no_grad():
+        batched = model.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels, **settings)
+        first = model.generate(input_ids=torch.tensor([rows[0]]), pixel_values=pixels[:2], **settings)
+        second = model.generate(input_ids=torch.tensor([rows[1]]), pixel_values=pixels[2:], **settings)
+    assert batched[0, -5:].tolist() == first[0, -5:].tolist()
+    assert batched[1, -5:].tolist() == second[0, -5:].tolist()
+
+
 def test_save_and_load_give_identical_logits(tmp_path):
     model = tiny_vlm()
     model.save_pretrained(tmp_path / "vlm")

@@ -31,7 +31,8 @@ class SurgeonVLMConfig(PretrainedConfig):
                  vision_grid: list[int] | None = None, vision_tokens: int | None = None,
                  vision_layer: int = -1, drop_cls: bool = True, drop_prefix_tokens: bool = True,
                  projector: str = "mlp2x_gelu", pixel_shuffle_factor: int = 2,
-                 image_token_id: int | None = None, image_token: str = "<image>", **kwargs):
+                 image_token_id: int | None = None, image_token: str = "<image>",
+                 image_mean: list[float] | None = None, image_std: list[float] | None = None, **kwargs):
         if isinstance(text_config, dict):
             text_config = AutoConfig.for_model(**text_config)
         if isinstance(vision_config, dict):
@@ -50,6 +51,9 @@ class SurgeonVLMConfig(PretrainedConfig):
         self.pixel_shuffle_factor = pixel_shuffle_factor
         self.image_token_id = image_token_id
         self.image_token = image_token
+        # The donor's preprocessing: square resize to image_size, then (x - mean) / std per channel.
+        self.image_mean = list(image_mean) if image_mean else [0.5, 0.5, 0.5]
+        self.image_std = list(image_std) if image_std else [0.5, 0.5, 0.5]
         super().__init__(**kwargs)
 
     @property
@@ -109,36 +113,40 @@ class SurgeonVLMForConditionalGeneration(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.language_model.get_output_embeddings()
 
-    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(images, 3, H, W) -> (images, image_seq_length, LM hidden size)."""
-        tokens = self.vision_tower(pixel_values.to(self.projector_dtype))
-        return self.projector(tokens)
+    def image_features(self, pixel_values: torch.Tensor | None = None,
+                       tower_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(images, 3, H, W) -> (images, image_seq_length, LM hidden size). `tower_tokens`, the
+        tower's output computed earlier, skips the tower (training with a frozen tower caches it)."""
+        if tower_tokens is None:
+            tower_tokens = self.vision_tower(pixel_values.to(self.projector_dtype))
+        return self.projector(tower_tokens.to(self.projector_dtype))
 
     @property
     def projector_dtype(self) -> torch.dtype:
         return next(self.projector.parameters()).dtype
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+              tower_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The LM's input embeddings with each image's projected tokens in its placeholder span."""
         placeholders = input_ids == self.config.image_token_id
         # The placeholder id is past the LM's vocabulary: look up a real id, then overwrite.
         embeds = self.get_input_embeddings()(input_ids.masked_fill(placeholders, 0))
-        if pixel_values is None:
+        if pixel_values is None and tower_tokens is None:
             if placeholders.any():
                 raise ValueError("the prompt has image placeholders but no pixel_values were given")
             return embeds
-        features = self.image_features(pixel_values).to(embeds.dtype)
+        features = self.image_features(pixel_values, tower_tokens).to(embeds.dtype)
         if int(placeholders.sum()) != features.shape[0] * features.shape[1]:
             raise ValueError(f"{int(placeholders.sum())} image placeholder tokens in the prompt, but "
                              f"{features.shape[0]} images x {features.shape[1]} tokens each")
         return embeds.masked_scatter(placeholders.unsqueeze(-1), features.reshape(-1, embeds.shape[-1]))
 
     def forward(self, input_ids: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs):
+                attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, **kwargs):
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids, pixel_values)
-        # Everything else (attention mask, cache, labels, logits_to_keep) is the LM's business.
-        return self.language_model(inputs_embeds=inputs_embeds, **kwargs)
+        # Everything else (cache, positions, labels, logits_to_keep) is the LM's business.
+        return self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)
 
     def prepare_inputs_for_generation(self, *args, pixel_values=None, is_first_iteration=False, **kwargs):
         inputs = super().prepare_inputs_for_generation(*args, is_first_iteration=is_first_iteration, **kwargs)

@@ -53,6 +53,7 @@ class Operation:
     Params: ClassVar[type[BaseModel]]
     summary: ClassVar[str] = ""
     measures: ClassVar[bool] = False  # measures the model without changing it (stage names skip these)
+    accepts_vlm: ClassVar[bool] = False  # may follow graft_vision (others edit the LM's layers directly)
 
     def plan(self, params: BaseModel, state: ModelState, ctx: StepContext) -> tuple[ModelState, str]:
         """Return the state after this step and a short note for the plan table."""

@@ -26,6 +26,7 @@ class CheckInstructions(Operation):
     name = "check_instructions"
     Params = CheckInstructionsParams
     summary = f"{len(ITEMS)} prompts with checkable answers, greedy; patient and parent"
+    accepts_vlm = True
     measures = True
 
     def plan(self, params, state: ModelState, ctx: StepContext):

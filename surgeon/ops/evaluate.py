@@ -6,6 +6,7 @@ import logging
 
 from pydantic import BaseModel, ConfigDict
 
+from ..architecture import language_config
 from ..data import TextData, resolve_text_files, token_windows
 from ..errors import ParamError
 from ..metrics import compare_to_parent, parent_reference
@@ -34,6 +35,7 @@ class Evaluate(Operation):
     Params = EvaluateParams
     summary = "KL to the parent, top-1 agreement and perplexity on held-out text"
     measures = True
+    accepts_vlm = True
 
     def plan(self, params: EvaluateParams, state: ModelState, ctx: StepContext):
         try:
@@ -48,10 +50,11 @@ class Evaluate(Operation):
             reference_vocab = ctx.sources[params.against].config.vocab_size
         else:
             reference_vocab = ctx.sources["base"].config.vocab_size
-        if reference_vocab != state.config.vocab_size:
+        vocab = language_config(state.config).vocab_size
+        if reference_vocab != vocab:
             raise ParamError(
                 ("against",),
-                f"vocabularies differ ({reference_vocab} vs {state.config.vocab_size}): KL needs the same tokens",
+                f"vocabularies differ ({reference_vocab} vs {vocab}): KL needs the same tokens",
             )
         return state, f"{self._stage_name(params, ctx)}: {params.data.tokens} tokens of {', '.join(f.name for f in files)}"
 

@@ -22,10 +22,12 @@ from ..architecture import shape_of
 from ..data import describe_files
 from ..errors import ParamError
 from ..patient import Patient, Provenance
-from ..training.data import HealData, build_train_set, check_sources
+from ..training.data import IMAGE_KINDS, HealData, build_train_set, check_sources
 from ..training.loop import LoopSpec, train
 from ..training.trainable import TrainSpec, check_trainable, finish_student, prepare_student
+from ..vision.graft import is_vlm
 from . import ModelState, Operation, StepContext, register
+from .vision_heal import apply_vision_heal, plan_vision_heal
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,15 @@ class Heal(Operation):
     name = "heal"
     Params = HealParams
     summary = "distil the parent back into the operated model (KL on logits; globs and/or LoRA)"
+    accepts_vlm = True
 
     def plan(self, params: HealParams, state: ModelState, ctx: StepContext):
+        if is_vlm(state):
+            return plan_vision_heal(params, state, ctx)
+        images = [i for i, s in enumerate(params.data.sources) if s.kind in IMAGE_KINDS]
+        if images:
+            raise ParamError(("data", "sources", images[0]), "image questions need a vision tower: "
+                             "put a graft_vision step before this heal")
         if params.teacher != PARENT:
             if params.teacher not in ctx.sources:
                 known = ", ".join([PARENT, *ctx.sources])
@@ -77,6 +86,8 @@ class Heal(Operation):
         return state, note
 
     def apply(self, params: HealParams, patient: Patient, ctx: StepContext) -> Patient:
+        if is_vlm(patient.model):
+            return apply_vision_heal(self.name, params, patient, ctx)
         if params.teacher == PARENT:
             teacher, fingerprint = patient.parent, patient.base.fingerprint()
         else:

@@ -14,7 +14,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,10 +39,34 @@ class SelfDistill(BaseModel):
     system: str | None = None
 
 
+class SyntheticImages(BaseModel):
+    """Rendered image questions (surgeon.vision.synthetic): `examples` of the train stream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    examples: int = Field(gt=0, le=1_000_000)
+    kinds: list[Literal["colour", "shape", "count", "position", "word"]] = ["colour", "shape", "count", "position", "word"]
+    seed: int = 0
+    split: Literal["train", "heldout"] = "train"
+
+
+class MnistDigits(BaseModel):
+    """"Which digit is this?" on a CSV of MNIST rows (784 pixels, then the label). `split`: `train`
+    (per digit, the first 80% of its rows), `heldout` (the last 20%), or `rows` ("0-3999")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    split: Literal["train", "heldout", "all"] = "train"
+    rows: str | None = Field(None, pattern=r"^\d+-\d+$")
+    examples: int | None = Field(None, gt=0)
+
+
 class Source(BaseModel):
-    """Exactly one of: `text` (files/globs), `jsonl` (records with `text` or chat `messages`),
-    `dataset` (a local file read by the `datasets` library: json, csv, parquet or text), or
-    `self_distill`. `tokens` caps what this source contributes."""
+    """Exactly one of: `text` (files/globs), `jsonl` (records with `text` or chat `messages`; with
+    `image`/`images` paths for a grafted VLM), `dataset` (a local file read by the `datasets`
+    library: json, csv, parquet or text), `self_distill`, or for a VLM `synthetic` / `mnist`
+    image questions. `tokens` caps what a text source contributes."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,20 +77,26 @@ class Source(BaseModel):
     split: str = "train"
     field: str = "text"
     self_distill: SelfDistill | None = None
+    synthetic: SyntheticImages | None = None
+    mnist: MnistDigits | None = None
     tokens: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        given = [k for k in ("text", "jsonl", "dataset", "self_distill") if getattr(self, k) is not None]
+        given = [k for k in SOURCE_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("each source needs exactly one of text, jsonl, dataset or self_distill")
+            raise ValueError(f"each source needs exactly one of {', '.join(SOURCE_KINDS)}")
         if self.dataset is not None and self.data_files is None:
             raise ValueError("`dataset` needs `data_files` (local files; nothing is downloaded)")
         return self
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("text", "jsonl", "dataset", "self_distill") if getattr(self, k) is not None)
+        return next(k for k in SOURCE_KINDS if getattr(self, k) is not None)
+
+
+SOURCE_KINDS = ("text", "jsonl", "dataset", "self_distill", "synthetic", "mnist")
+IMAGE_KINDS = ("synthetic", "mnist")  # jsonl may hold image records too
 
 
 class HealData(BaseModel):
@@ -77,6 +107,7 @@ class HealData(BaseModel):
     tokens: int | None = Field(None, gt=0)  # training-token budget over all sources
     heldout_windows: int = Field(8, ge=0)
     assistant_only: bool = False  # chat records train on assistant turns only (plain text: on everything)
+    heldout_examples: int = Field(64, ge=0)  # image data: records kept out of training for held-out loss
     seed: int = 0
 
 
@@ -111,10 +142,11 @@ def check_sources(data: HealData, base_dir: Path) -> dict[int, list[Path]]:
     files: dict[int, list[Path]] = {}
     for index, source in enumerate(data.sources):
         where = ("data", "sources", index)
-        patterns = {"text": source.text, "jsonl": source.jsonl, "dataset": source.data_files}.get(source.kind)
+        patterns = {"text": source.text, "jsonl": source.jsonl, "dataset": source.data_files,
+                    "mnist": source.mnist.path if source.mnist else None}.get(source.kind)
         if patterns is None:
             continue
-        field = {"text": "text", "jsonl": "jsonl", "dataset": "data_files"}[source.kind]
+        field = {"text": "text", "jsonl": "jsonl", "dataset": "data_files", "mnist": "mnist"}[source.kind]
         try:
             files[index] = resolve_files(patterns, base_dir, field)
         except ParamError as exc:

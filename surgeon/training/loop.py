@@ -123,9 +123,8 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         return "fp32"
 
 
-def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: TrainSet, spec: LoopSpec, *,
-          teacher_fingerprint: str, teacher_is_parent: bool, layer_origin: list[int | None],
-          checkpoint_dir: Path, resume: bool, run_digest: str) -> LoopResult:
+def make_accelerator(spec: LoopSpec):
+    """(Accelerator, precision) for a heal loop: DDP or one process, mixed precision where it pays."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -140,6 +139,13 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
                            "launch with recipes/accelerate/ddp.yaml")
     if spec.batch_size % accelerator.num_processes:
         raise SurgeonError(f"batch_size {spec.batch_size} does not divide over {accelerator.num_processes} processes")
+    return accelerator, precision
+
+
+def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: TrainSet, spec: LoopSpec, *,
+          teacher_fingerprint: str, teacher_is_parent: bool, layer_origin: list[int | None],
+          checkpoint_dir: Path, resume: bool, run_digest: str) -> LoopResult:
+    accelerator, precision = make_accelerator(spec)
     device = accelerator.device
     teacher.to(device).eval()
     result = LoopResult(precision=precision)
@@ -155,7 +161,7 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
     params = list(trainable.values())
     optimizer = torch.optim.AdamW(params, lr=spec.optimizer.lr, betas=spec.optimizer.betas,
                                   weight_decay=spec.optimizer.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(spec.optimizer, spec.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(spec.optimizer, spec.steps))
     body, optimizer = accelerator.prepare(body, optimizer)
     loss_config = LossConfig(
         temperature=spec.loss.temperature, kl_weight=spec.loss.kl, ce_weight=spec.loss.ce,
@@ -209,7 +215,7 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
             totals = {"loss": 0.0, "kl": 0.0, "ce": 0.0, "hidden": 0.0}
             tokens = 0
             for micro in range(spec.grad_accum):
-                windows = _windows_for(step, micro, spec, data.train_ids.shape[0], accelerator)
+                windows = batch_indices(step, micro, spec, data.train_ids.shape[0], accelerator)
                 ids = data.train_ids[windows].to(device)
                 mask = data.train_mask[windows].to(device)
                 sync = micro == spec.grad_accum - 1
@@ -313,7 +319,7 @@ def _hidden_pairs(origin: list[int | None], first: int | None, weight: float, te
     return [(i, o) for i, o in enumerate(origin) if o is not None and i >= lowest]
 
 
-def _windows_for(step: int, micro: int, spec: LoopSpec, n: int, accelerator) -> torch.Tensor:
+def batch_indices(step: int, micro: int, spec: LoopSpec, n: int, accelerator) -> torch.Tensor:
     """Indices of the windows micro-batch `micro` of step `step` trains on, on this process."""
     global_batch = spec.batch_size * spec.grad_accum
     first = step * global_batch + micro * spec.batch_size
@@ -340,7 +346,7 @@ def _heldout_kl(student, data: TrainSet, reference) -> float:
         model.train(was_training)
 
 
-def _schedule(spec: OptimSpec, steps: int):
+def lr_schedule(spec: OptimSpec, steps: int):
     def factor(step: int) -> float:
         if step < spec.warmup_steps:
             return (step + 1) / (spec.warmup_steps + 1)

@@ -48,7 +48,7 @@ def check_trainable(spec: TrainSpec, model: torch.nn.Module, path: tuple) -> dic
     shapes = dict(model.named_parameters())
     trainable = sum(shapes[n].numel() for n in _unique(model, select(names, spec.params)))
     if spec.lora is not None:
-        layers = _lora_layers(spec.lora, model.config.num_hidden_layers, path + ("lora", "layers"))
+        layers = _lora_layers(spec.lora, _text_config(model).num_hidden_layers, path + ("lora", "layers"))
         targets = lora_target_modules(model, spec.lora, layers)
         if not targets:
             raise ParamError(path + ("lora", "target_modules"), f"{spec.lora.target_modules} match no Linear layer")
@@ -61,10 +61,19 @@ def _lora_layers(lora: LoraSpec, n_layers: int, path: tuple) -> list[int] | None
     return sorted(set(expand_layers(lora.layers, n_layers, path))) if lora.layers is not None else None
 
 
+def _text_config(model):
+    config = model.config
+    return config.text_config if getattr(config, "model_type", None) == "surgeon_vlm" else config
+
+
 def lora_target_modules(model, lora: LoraSpec, layers: list[int] | None) -> dict[str, torch.nn.Linear]:
-    """The Linear modules peft will adapt: name ends with a target, inside the chosen layers."""
+    """The Linear modules peft will adapt: name ends with a target, inside the chosen layers (of
+    the language model, in a grafted VLM: a CLIP tower's q_proj is not the LM's)."""
     found = {}
+    vlm = _text_config(model) is not model.config
     for name, module in model.named_modules():
+        if vlm and not name.startswith("language_model."):
+            continue
         if not isinstance(module, torch.nn.Linear):
             continue
         if not any(name == t or name.endswith(f".{t}") for t in lora.target_modules):
@@ -99,27 +108,35 @@ def prepare_student(model: torch.nn.Module, spec: TrainSpec):
         if not param.requires_grad:
             param.data = param.data.clone()  # stop sharing storage with the parent before writing
             param.requires_grad_(True)
-    if spec.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        layers = _lora_layers(spec.lora, model.config.num_hidden_layers, ())
-        config = LoraConfig(
-            r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
-            target_modules=spec.lora.target_modules, layers_to_transform=layers, bias="none",
-        )
-        selected = {n for n, p in model.named_parameters() if p.requires_grad}
-        model = get_peft_model(model, config)
-        for name, param in model.named_parameters():  # peft froze the base: re-open our globs
-            if name.removeprefix("base_model.model.").replace(".base_layer", "") in selected:
-                param.requires_grad_(True)
+    if spec.lora is not None and _text_config(model) is not model.config:
+        # A VLM: adapters go on its language model, which becomes a peft model inside it.
+        model.language_model = _with_lora(model.language_model, spec.lora)
+    elif spec.lora is not None:
+        model = _with_lora(model, spec.lora)
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     return model, trainable
+
+
+def _with_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    layers = _lora_layers(lora, model.config.num_hidden_layers, ())
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, layers_to_transform=layers, bias="none")
+    selected = {n for n, p in model.named_parameters() if p.requires_grad}
+    model = get_peft_model(model, config)
+    for name, param in model.named_parameters():  # peft froze the base: re-open our globs
+        if name.removeprefix("base_model.model.").replace(".base_layer", "") in selected:
+            param.requires_grad_(True)
+    return model
 
 
 def finish_student(model: torch.nn.Module) -> torch.nn.Module:
     """The plain model to export: LoRA merged into copies of the adapted weights, all frozen."""
     from peft import PeftModel
 
+    if isinstance(getattr(model, "language_model", None), PeftModel):  # a VLM with LoRA on its LM
+        model.language_model = finish_student(model.language_model)
     if isinstance(model, PeftModel):
         for module in model.modules():
             base = getattr(module, "base_layer", None)

@@ -79,11 +79,15 @@ class VLMProcessor:
     def encode(self, record: dict, assistant_only: bool = True, where: str = "record") -> Encoded:
         """A training record {"images": [...], "messages": [...]}: ids, target mask, pixels."""
         images = record.get("images") or []
-        document: Document = render_chat(self.tokenizer, self.flatten(record["messages"], len(images), where),
-                                         assistant_only, where)
+        ids, mask = self.encode_text(record["messages"], len(images), assistant_only, where)
+        return Encoded(ids, mask, self.pixels(images))
+
+    def encode_text(self, messages: list[dict], images: int, assistant_only: bool = True,
+                    where: str = "record") -> tuple[list[int], list[bool]]:
+        """Token ids and the targets mask of a chat with `images` image parts."""
+        document: Document = render_chat(self.tokenizer, self.flatten(messages, images, where), assistant_only, where)
         # Placeholders are never targets (their id lies past the LM's vocabulary).
-        mask = [m and t != self.image_token_id for t, m in zip(document.ids, document.mask)]
-        return Encoded(document.ids, mask, self.pixels(images))
+        return document.ids, [m and t != self.image_token_id for t, m in zip(document.ids, document.mask)]
 
     def prompt(self, messages: list[dict], images: list[Image.Image]) -> dict:
         """Generation inputs for one chat: input_ids (1, n) ending in the assistant prompt, and pixel_values."""
