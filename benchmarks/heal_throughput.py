@@ -20,7 +20,8 @@ from surgeon.architecture import keep_layers
 from surgeon.runtime import limit_heap_fragmentation
 from surgeon.sources import resolve_source
 from surgeon.training.data import HealData, Source, build_train_set
-from surgeon.training.loop import LoopSpec, resolve_precision, train
+from surgeon.training.driver import resolve_precision
+from surgeon.training.loop import LoopSpec, train
 from surgeon.training.trainable import TrainSpec, prepare_student
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "austen" / "emma.txt"

@@ -144,9 +144,9 @@ def test_killed_run_resumes_to_the_same_result(write_recipe, tiny_llama, text_di
 
     with pytest.raises(ExportError, match="--resume"):  # without --resume: refused, nothing lost
         run_recipe(load_recipe(path), out=target)
-    with caplog.at_level("INFO", logger="surgeon.training.loop"):
+    with caplog.at_level("INFO", logger="surgeon.training.driver"):
         resumed = run_recipe(load_recipe(path), out=target, resume=True)
-    assert f"resuming healing at step {killed_at} of 200" in caplog.text
+    assert f"resuming at step {killed_at} of 200" in caplog.text
     expected, got = _final_weights(reference), _final_weights(resumed.target)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected), "resumed weights differ"

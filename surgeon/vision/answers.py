@@ -112,7 +112,7 @@ def _prompt_ids(example: VisionExample) -> list[int]:
 
 
 def _autocast(vlm):
-    from ..training.loop import resolve_precision
+    from ..training.driver import resolve_precision
 
     precision = resolve_precision("auto", next(vlm.parameters()).device)
     if precision == "fp32" or vlm.projector_dtype != torch.float32:
