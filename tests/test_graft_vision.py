@@ -68,7 +68,7 @@ def _recipe(write_recipe, base: Path, text_dir: Path, tower: str, projector: str
               data:
                 - synthetic: {{examples: 12, kinds: [colour, shape], split: heldout}}
               max_new_tokens: 3
-          - check_instructions: {}
+          - check_instructions: {{}}
           - evaluate:
               data: {{text: {text_dir / 'heldout.txt'}, tokens: 256, window: 64}}
         """)
