@@ -14,11 +14,14 @@ def test_kernels_is_a_subpackage_of_surgeon_and_never_top_level(tmp_path):
     import surgeon.kernels
 
     assert surgeon.kernels.__file__.startswith(str(ROOT / "kernels"))
-    # From anywhere but the repository root, no top-level `kernels` module may appear (transformers
-    # probes for PyPI's package of that name).
-    probe = "import importlib.util, surgeon.kernels; print(importlib.util.find_spec('kernels'))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True)
-    assert out.stdout.strip() == "None"
+    # A top-level `kernels` is PyPI's (which transformers imports when installed), never ours: not
+    # from elsewhere, and not under `python -m surgeon` from the checkout's root either.
+    probe = "import importlib.util, surgeon.kernels; spec = importlib.util.find_spec('kernels'); print(spec and spec.origin)"
+    for cwd, command in ((tmp_path, ["-c", probe]), (ROOT, ["-c", "import surgeon; " + probe])):
+        out = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=cwd, check=True)
+        assert not out.stdout.strip().startswith(str(ROOT)), out.stdout
+    version = subprocess.run([sys.executable, "-m", "surgeon", "models"], capture_output=True, text=True, cwd=ROOT)
+    assert version.returncode == 0, version.stderr[-500:]
 
 
 def test_every_subpackage_is_listed_in_pyproject():
