@@ -47,6 +47,10 @@ class StepContext:
     resume: bool = False
     recipe_digest: str = ""
 
+    def stage_name(self, name: str | None) -> str:
+        """A measuring step's label in the report: its own `name`, else after the last operation."""
+        return name or (f"after {self.previous_op}" if self.previous_op else "base")
+
 
 class Operation:
     name: ClassVar[str]

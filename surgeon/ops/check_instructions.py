@@ -30,7 +30,7 @@ class CheckInstructions(Operation):
     measures = True
 
     def plan(self, params, state: ModelState, ctx: StepContext):
-        return state, f"{self._stage_name(params, ctx)}: {len(ITEMS)} instruction prompts"
+        return state, f"{ctx.stage_name(params.name)}: {len(ITEMS)} instruction prompts"
 
     def apply(self, params: CheckInstructionsParams, patient: Patient, ctx: StepContext) -> Patient:
         key = f"{patient.base.fingerprint()}|{params.max_new_tokens}"
@@ -38,7 +38,7 @@ class CheckInstructions(Operation):
             _PARENT_RESULTS[key] = instruction_check(patient.parent, patient.tokenizer, params.max_new_tokens)
         parent = _PARENT_RESULTS[key]
         mine = instruction_check(patient.model, patient.tokenizer, params.max_new_tokens)
-        name = self._stage_name(params, ctx)
+        name = ctx.stage_name(params.name)
         log.info("%s: %d/%d instructions right (parent %d/%d)", name, mine["correct"], mine["total"],
                  parent["correct"], parent["total"])
         stage = Stage(
@@ -48,7 +48,3 @@ class CheckInstructions(Operation):
             details={"answers": mine["answers"], "parent_answers": parent["answers"]},
         )
         return patient.with_stage(stage)
-
-    @staticmethod
-    def _stage_name(params, ctx: StepContext) -> str:
-        return params.name or (f"after {ctx.previous_op}" if ctx.previous_op else "base")

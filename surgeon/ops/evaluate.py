@@ -56,7 +56,7 @@ class Evaluate(Operation):
                 ("against",),
                 f"vocabularies differ ({reference_vocab} vs {vocab}): KL needs the same tokens",
             )
-        return state, f"{self._stage_name(params, ctx)}: {params.data.tokens} tokens of {', '.join(f.name for f in files)}"
+        return state, f"{ctx.stage_name(params.name)}: {params.data.tokens} tokens of {', '.join(f.name for f in files)}"
 
     def apply(self, params: EvaluateParams, patient: Patient, ctx: StepContext) -> Patient:
         files = ctx.facts.get("files") or resolve_text_files(params.data, ctx.recipe_dir)
@@ -68,7 +68,7 @@ class Evaluate(Operation):
             reference = parent_reference(source.load_model, windows, source.fingerprint())
         metrics = compare_to_parent(patient.model, windows, reference)
         stage = Stage(
-            name=self._stage_name(params, ctx),
+            name=ctx.stage_name(params.name),
             data=", ".join(f.name for f in files),
             metrics=metrics,
         )
@@ -78,9 +78,3 @@ class Evaluate(Operation):
             metrics["tokens"],
         )
         return patient.with_stage(stage)
-
-    @staticmethod
-    def _stage_name(params: EvaluateParams, ctx: StepContext) -> str:
-        if params.name:
-            return params.name
-        return f"after {ctx.previous_op}" if ctx.previous_op else "base"

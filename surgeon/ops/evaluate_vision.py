@@ -55,7 +55,7 @@ class EvaluateVision(Operation):
                     raise exc.under(("data", index)) from None
         ctx.facts["files"] = files
         kinds = ", ".join(_describe(s) for s in params.data)
-        return state, f"{self._stage_name(params, ctx)}: {kinds}" + (" (+ shuffled images)" if params.shuffled_control else "")
+        return state, f"{ctx.stage_name(params.name)}: {kinds}" + (" (+ shuffled images)" if params.shuffled_control else "")
 
     def apply(self, params: EvaluateVisionParams, patient: Patient, ctx: StepContext) -> Patient:
         from ..vision.answers import greedy_answers, score, tower_outputs
@@ -84,15 +84,9 @@ class EvaluateVision(Operation):
             details[label] = [{"key": e.key, "kind": e.kind, "answer": e.answer, "said": a}
                               for e, a in list(zip(examples, answers))[:50]]
             log.info("%s: %s", label, ", ".join(f"{k} {v:.3f}" for k, v in result.items() if isinstance(v, float)))
-        stage = Stage(name=self._stage_name(params, ctx), data=", ".join(_describe(s) for s in params.data),
+        stage = Stage(name=ctx.stage_name(params.name), data=", ".join(_describe(s) for s in params.data),
                       metrics=metrics, kind="vision", details={"samples": details})
         return patient.with_stage(stage)
-
-    @staticmethod
-    def _stage_name(params: EvaluateVisionParams, ctx: StepContext) -> str:
-        if params.name:
-            return params.name
-        return f"after {ctx.previous_op}" if ctx.previous_op else "base"
 
 
 def _same_image_count_derangement(examples) -> list[int]:
