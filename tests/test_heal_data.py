@@ -21,7 +21,7 @@ def tokenizer(tokenizer_dir):
 
 def build(spec: dict, base: Path, tokenizer, teacher=None):
     data = HealData.model_validate(spec)
-    return build_train_set(data, check_sources(data, base), tokenizer, teacher, "teacher-fp")
+    return build_train_set(data, check_sources(data.sources, base), tokenizer, teacher, "teacher-fp")
 
 
 def test_text_windows_start_with_bos_and_split_deterministically(text_dir, tokenizer):
@@ -66,7 +66,7 @@ def test_bad_records_are_located(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"broken.jsonl:1: not JSON"):
         build({"sources": [{"jsonl": "broken.jsonl"}], "window": 16}, tmp_path, tokenizer)
     with pytest.raises(ParamError) as info:
-        check_sources(HealData.model_validate({"sources": [{"text": "missing.txt"}]}), tmp_path)
+        check_sources(HealData.model_validate({"sources": [{"text": "missing.txt"}]}).sources, tmp_path)
     assert info.value.path == ("data", "sources", 0, "text")
 
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ParamError
 from ..patient import Patient, Stage
-from ..training.data import IMAGE_KINDS, Source
+from ..training.data import IMAGE_KINDS, Source, check_sources
+from ..vision.data import describe_source
 from . import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
@@ -38,23 +39,15 @@ class EvaluateVision(Operation):
     accepts_vlm = True
 
     def plan(self, params: EvaluateVisionParams, state: ModelState, ctx: StepContext):
-        from ..data import resolve_files
         from ..vision.graft import is_vlm
 
         if not is_vlm(state):
             raise ParamError((), "the patient has no vision tower: put a graft_vision step before this one")
-        files = {}
         for index, source in enumerate(params.data):
             if source.kind not in (*IMAGE_KINDS, "jsonl"):
                 raise ParamError(("data", index), f"a {source.kind} source holds no image questions")
-            pattern = source.mnist.path if source.kind == "mnist" else source.jsonl
-            if pattern is not None:
-                try:
-                    files[index] = resolve_files(pattern, ctx.recipe_dir, source.kind)
-                except ParamError as exc:
-                    raise exc.under(("data", index)) from None
-        ctx.facts["files"] = files
-        kinds = ", ".join(_describe(s) for s in params.data)
+        ctx.facts["files"] = check_sources(params.data, ctx.recipe_dir, at=("data",))
+        kinds = ", ".join(describe_source(s) for s in params.data)
         return state, f"{ctx.stage_name(params.name)}: {kinds}" + (" (+ shuffled images)" if params.shuffled_control else "")
 
     def apply(self, params: EvaluateVisionParams, patient: Patient, ctx: StepContext) -> Patient:
@@ -84,7 +77,7 @@ class EvaluateVision(Operation):
             details[label] = [{"key": e.key, "kind": e.kind, "answer": e.answer, "said": a}
                               for e, a in list(zip(examples, answers))[:50]]
             log.info("%s: %s", label, ", ".join(f"{k} {v:.3f}" for k, v in result.items() if isinstance(v, float)))
-        stage = Stage(name=ctx.stage_name(params.name), data=", ".join(_describe(s) for s in params.data),
+        stage = Stage(name=ctx.stage_name(params.name), data=", ".join(describe_source(s) for s in params.data),
                       metrics=metrics, kind="vision", details={"samples": details})
         return patient.with_stage(stage)
 
@@ -103,11 +96,3 @@ def _same_image_count_derangement(examples) -> list[int]:
         for position, target in enumerate(derangement(len(members))):
             pairing[members[position]] = members[target]
     return pairing
-
-
-def _describe(source: Source) -> str:
-    if source.kind == "synthetic":
-        return f"{source.synthetic.examples} synthetic {source.synthetic.split} ({', '.join(source.synthetic.kinds)})"
-    if source.kind == "mnist":
-        return f"MNIST {source.mnist.rows or source.mnist.split}" + (f" ({source.mnist.examples})" if source.mnist.examples else "")
-    return f"jsonl {source.jsonl}"

@@ -136,46 +136,20 @@ def _donor(spec: TowerSpec, recipe_dir: Path, weights: bool):
     from ..vision.donors import resolve_checkpoint, timm_donor, transformers_donor
 
     try:
+        checkpoint = resolve_checkpoint(spec.checkpoint, recipe_dir) if spec.checkpoint else None
+    except SourceError as exc:
+        raise ParamError(("tower", "checkpoint"), str(exc)) from None
+    try:
         if spec.timm is not None:
-            checkpoint = resolve_checkpoint(spec.checkpoint, recipe_dir) if spec.checkpoint else None
             if checkpoint is None:
                 log.warning("graft_vision: no checkpoint for %s: the tower keeps its random init", spec.timm)
             return timm_donor(spec.timm, checkpoint, spec.key_map, spec.image_size, spec.mean, spec.std, load=weights)
         folder = Path(spec.transformers).expanduser()
         folder = folder if folder.is_absolute() else recipe_dir / folder
-        if not weights:
-            return _config_only_donor(folder, spec)
-        return transformers_donor(folder, spec.layer, spec.drop_cls, spec.projector_from_donor, spec.mean, spec.std)
+        return transformers_donor(folder, spec.layer, spec.drop_cls, spec.projector_from_donor, spec.mean, spec.std,
+                                  load=weights)
     except SourceError as exc:
         raise ParamError(("tower", "timm" if spec.timm else "transformers"), str(exc)) from None
-
-
-def _config_only_donor(folder: Path, spec: TowerSpec):
-    """The donor as plan sees it: the tower built from its config on the meta device."""
-    from transformers import AutoModel
-
-    from ..vision.donors import FAMILY_STATS, VISION_TYPES, Donor, _processor_stats, read_vision_folder
-    from ..vision.towers import transformers_tower
-
-    family, config = read_vision_folder(folder)
-    layer, drop_cls = spec.layer, spec.drop_cls
-    vision = config
-    if family == "llava":
-        vision = config.vision_config
-        feature_layer = config.vision_feature_layer
-        layer = layer if layer is not None else (feature_layer if isinstance(feature_layer, int) else feature_layer[-1])
-        drop_cls = drop_cls if drop_cls is not None else config.vision_feature_select_strategy == "default"
-        family = VISION_TYPES[vision.model_type]
-    elif spec.projector_from_donor:
-        raise SourceError(f"{folder} is a bare {family} model: it has no multi_modal_projector to take")
-    vision = getattr(vision, "vision_config", vision)  # a full CLIP/SigLIP config holds its vision part
-    with torch.device("meta"):
-        tower = transformers_tower(AutoModel.from_config(vision), -1 if layer is None else layer,
-                                   True if drop_cls is None else drop_cls)
-    stats = _processor_stats(folder) or FAMILY_STATS[family]
-    return Donor(tower=tower, kind=family, image_size=vision.image_size, mean=tuple(spec.mean or stats[0]),
-                 std=tuple(spec.std or stats[1]), vision_config=vision, layer=-1 if layer is None else layer,
-                 drop_cls=tower.drop_cls, description=f"{family} vision tower from {folder.name}")
 
 
 def _layout(donor) -> str:

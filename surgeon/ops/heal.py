@@ -69,7 +69,7 @@ class Heal(Operation):
             raise ParamError(("teacher_cache",), "the top-k teacher cache holds temperature-1 logits: use temperature 1")
         if params.teacher_cache is not None and params.loss.kl == 0:
             raise ParamError(("teacher_cache",), "a teacher cache without a KL term would never be read")
-        ctx.facts["files"] = check_sources(params.data, ctx.recipe_dir)
+        ctx.facts["files"] = check_sources(params.data.sources, ctx.recipe_dir)
         with torch.device("meta"):
             from transformers import AutoModelForCausalLM
 
@@ -95,7 +95,7 @@ class Heal(Operation):
             teacher, fingerprint = source.load_model(), source.fingerprint()
         for param in teacher.parameters():
             param.requires_grad_(False)
-        files = ctx.facts.get("files") or check_sources(params.data, ctx.recipe_dir)
+        files = ctx.facts.get("files") or check_sources(params.data.sources, ctx.recipe_dir)
         data = build_train_set(params.data, files, patient.tokenizer, teacher, fingerprint)
         before = patient.shape().as_dict()
         # A new module around the same tensors: training never touches the caller's model or the

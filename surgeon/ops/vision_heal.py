@@ -13,13 +13,12 @@ import hashlib
 import torch
 
 from ..architecture import shape_of
-from ..data import describe_files
 from ..errors import ParamError
 from ..patient import Patient, Provenance
 from ..training.data import IMAGE_KINDS
 from ..training.trainable import check_trainable, finish_student, prepare_student
 from ..training.vision_loop import train_vision
-from ..vision.data import build_vision_set
+from ..vision.data import build_vision_set, describe_source
 from ..vision.graft import processor_for
 from . import ModelState, StepContext
 
@@ -42,7 +41,7 @@ def plan_vision_heal(params, state: ModelState, ctx: StepContext):
         if source.kind not in (*IMAGE_KINDS, "jsonl"):
             raise ParamError(("data", "sources", index), f"a {source.kind} source holds no images: a grafted VLM "
                              "trains on synthetic, mnist or jsonl image records")
-    ctx.facts["files"] = check_sources(params.data, ctx.recipe_dir)
+    ctx.facts["files"] = check_sources(params.data.sources, ctx.recipe_dir)
     with torch.device("meta"):
         meta_model = SurgeonVLMForConditionalGeneration(state.config)
     counts = check_trainable(params.train, meta_model, ("train",))
@@ -61,7 +60,7 @@ def apply_vision_heal(op_name: str, params, patient: Patient, ctx: StepContext) 
 
     from ..training.data import check_sources
 
-    files = ctx.facts.get("files") or check_sources(params.data, ctx.recipe_dir)
+    files = ctx.facts.get("files") or check_sources(params.data.sources, ctx.recipe_dir)
     processor = processor_for(patient.model, patient.tokenizer)
     data = build_vision_set(params.data, files, processor)
     before = patient.shape().as_dict()
@@ -77,8 +76,7 @@ def apply_vision_heal(op_name: str, params, patient: Patient, ctx: StepContext) 
     evals = result.evals
     held = (f"; held-out answers exact {evals[0]['exact']:.1%} -> {evals[-1]['exact']:.1%}"
             if len(evals) >= 2 else "")
-    named = [describe_files(files[i]) if i in files else f"{s.kind} ({_count(s)})"
-             for i, s in enumerate(params.data.sources)]
+    named = [describe_source(s) for s in params.data.sources]
     entry = Provenance(
         op=op_name,
         what=(f"trained for {result.steps_done} steps on image questions ({counts['trainable']:,} parameters: "
@@ -108,9 +106,3 @@ def _training_copy(module: torch.nn.Module, memo: dict | None = None) -> torch.n
     clone._modules = {name: None if child is None else _training_copy(child, memo)
                       for name, child in module._modules.items()}
     return clone
-
-
-def _count(source) -> str:
-    if source.kind == "synthetic":
-        return f"{source.synthetic.examples:,} scenes: {', '.join(source.synthetic.kinds)}"
-    return source.mnist.split if source.kind == "mnist" else source.kind

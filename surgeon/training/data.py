@@ -137,11 +137,11 @@ class TrainSet:
         return h.hexdigest()[:16]
 
 
-def check_sources(data: HealData, base_dir: Path) -> dict[int, list[Path]]:
-    """Files each source names, checked now (ParamError pointing at the source)."""
+def check_sources(sources: list[Source], base_dir: Path, at: tuple = ("data", "sources")) -> dict[int, list[Path]]:
+    """Files each source names, checked now (ParamError pointing at the source, under `at`)."""
     files: dict[int, list[Path]] = {}
-    for index, source in enumerate(data.sources):
-        where = ("data", "sources", index)
+    for index, source in enumerate(sources):
+        where = (*at, index)
         patterns = {"text": source.text, "jsonl": source.jsonl, "dataset": source.data_files,
                     "mnist": source.mnist.path if source.mnist else None}.get(source.kind)
         if patterns is None:

@@ -199,3 +199,12 @@ def build_vision_set(data: HealData, files: dict[int, list[Path]], processor: VL
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
     held = min(data.heldout_examples, max(0, len(examples) - 1))
     return VisionSet([examples[i] for i in order[held:]], [examples[i] for i in order[:held]])
+
+
+def describe_source(source: Source) -> str:
+    """An image source in a few words, for plans and model cards."""
+    if source.kind == "synthetic":
+        return f"{source.synthetic.examples} synthetic {source.synthetic.split} ({', '.join(source.synthetic.kinds)})"
+    if source.kind == "mnist":
+        return f"MNIST {source.mnist.rows or source.mnist.split}" + (f" ({source.mnist.examples})" if source.mnist.examples else "")
+    return f"jsonl {source.jsonl}"

@@ -107,30 +107,38 @@ def read_vision_folder(folder: Path) -> tuple[str, object]:
 
 
 def transformers_donor(folder: Path, layer: int | None, drop_cls: bool | None, take_projector: bool,
-                       mean=None, std=None) -> Donor:
-    from transformers import CLIPVisionModel, LlavaForConditionalGeneration, SiglipVisionModel
+                       mean=None, std=None, load: bool = True) -> Donor:
+    """`load=False` (plan) builds the tower from its config on the meta device: no weights read."""
+    from transformers import AutoModel, CLIPVisionModel, LlavaForConditionalGeneration, SiglipVisionModel
 
     family, config = read_vision_folder(folder)
-    if not any(folder.glob("*.safetensors")):
-        raise SourceError(f"{folder} has no safetensors weights (pickled .bin files are not read)")
-    projector_state = None
     if family == "llava":
-        vlm = LlavaForConditionalGeneration.from_pretrained(folder, use_safetensors=True)
-        model = vlm.model.vision_tower
-        family = VISION_TYPES[config.vision_config.model_type]
+        vision = config.vision_config
         # The donor's own feature choice is the default: its projector was trained on it.
         feature_layer = config.vision_feature_layer
         layer = layer if layer is not None else (feature_layer if isinstance(feature_layer, int) else feature_layer[-1])
         if drop_cls is None:
             drop_cls = config.vision_feature_select_strategy == "default"
+    elif take_projector:
+        raise SourceError(f"{folder} is a bare {family} model: it has no multi_modal_projector to take")
+    else:
+        vision = getattr(config, "vision_config", config)  # a full CLIP/SigLIP config holds its vision part
+    projector_state = None
+    if not load:
+        with torch.device("meta"):
+            model = AutoModel.from_config(vision)
+    elif not any(folder.glob("*.safetensors")):
+        raise SourceError(f"{folder} has no safetensors weights (pickled .bin files are not read)")
+    elif family == "llava":
+        vlm = LlavaForConditionalGeneration.from_pretrained(folder, use_safetensors=True)
+        model = vlm.model.vision_tower
         if take_projector:
             projector_state = {k: v.clone() for k, v in vlm.model.multi_modal_projector.state_dict().items()}
         del vlm
     else:
-        if take_projector:
-            raise SourceError(f"{folder} is a bare {family} model: it has no multi_modal_projector to take")
         cls = CLIPVisionModel if family == "clip" else SiglipVisionModel
         model = cls.from_pretrained(folder, use_safetensors=True)
+    family = VISION_TYPES[vision.model_type]
     model.eval()
     tower = transformers_tower(model, -1 if layer is None else layer, True if drop_cls is None else drop_cls)
     stats = _processor_stats(folder) or FAMILY_STATS[family]
