@@ -4,6 +4,8 @@ the group's heads really share one key/value space."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -108,3 +110,71 @@ def test_svd_needs_calibration(write_recipe, tiny_llama):
     recipe = write_recipe(f"name: x\nbase: {tiny_llama}\nsteps:\n  - reduce_kv_heads: {{kv_heads: 1, init: svd}}\n")
     with pytest.raises(RecipeError, match="give `calibration` text"):
         load_recipe(recipe)
+
+
+def test_best_init_is_measured_against_the_parent_and_kept(write_recipe, tiny_llama, text_dir, tmp_path):
+    """`init: best` measures every init on the compare text (a stage each in the card) and keeps the
+    closest; the export loads in a process that never imports surgeon."""
+    data = f"{{text: {text_dir / 'heldout.txt'}, tokens: 512, window: 128}}"
+    recipe = write_recipe(f"""
+        name: best-kv
+        base: {tiny_llama}
+        steps:
+          - reduce_kv_heads:
+              kv_heads: 1
+              init: best
+              calibration: {{text: {text_dir / 'calibration.txt'}, tokens: 512, window: 128}}
+              compare: {data}
+        """)
+    result = run_recipe(load_recipe(recipe), out=tmp_path / "out")
+    entry = result.report["provenance"][0]
+    measured = entry["details"]["compare"]
+    assert set(measured) == {"mean", "first", "svd"}
+    kept = min(measured, key=lambda name: measured[name]["kl_mean"])
+    assert entry["details"]["init"] == kept and f"(init {kept})" in entry["what"]
+    stages = {s["name"]: s["metrics"]["kl_mean"] for s in result.report["stages"]}
+    assert stages == {f"reduce_kv_heads init {name}": m["kl_mean"] for name, m in measured.items()}
+    assert "reduce_kv_heads init svd" in (result.target / "README.md").read_text()
+
+    code = f"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(result.target)!r})
+assert "surgeon" not in sys.modules and type(model).__name__ == "LlamaForCausalLM"
+assert model.config.num_key_value_heads == 1 and model.model.layers[0].self_attn.k_proj.out_features == 16
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_best_needs_compare_text(write_recipe, tiny_llama, text_dir):
+    recipe = write_recipe(f"name: x\nbase: {tiny_llama}\nsteps:\n  - reduce_kv_heads:\n      kv_heads: 1\n      init: best\n"
+                          f"      calibration: {{text: {text_dir / 'calibration.txt'}}}\n")
+    with pytest.raises(RecipeError, match="give `compare` text"):
+        load_recipe(recipe)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fit_brings_each_attention_closer_to_the_parents(write_recipe, tiny_models, text_dir, tmp_path, family):
+    """The layer-local fit calls each family's attention as its decoder does (rotary, masks, sliding
+    windows) and lowers every layer's output error, and the model's KL to the parent with it."""
+    calibration = f"{{text: {text_dir / 'calibration.txt'}, tokens: 1024, window: 64}}"
+    heldout = f"{{text: {text_dir / 'heldout.txt'}, tokens: 512, window: 64}}"
+    runs = {}
+    for fit in ("", "\n              fit: {steps: 40, lr: 3.0e-3, batch: 4}"):
+        recipe = write_recipe(f"""
+            name: fit-kv
+            base: {tiny_models[family]}
+            steps:
+              - reduce_kv_heads:
+                  kv_heads: 1
+                  init: mean
+                  calibration: {calibration}{fit}
+              - evaluate: {{data: {heldout}}}
+            """)
+        runs[bool(fit)] = run_recipe(load_recipe(recipe), out=tmp_path / f"out{bool(fit)}", overwrite=True)
+    fitted = runs[True].report["provenance"][0]["details"]["fit"]
+    assert len(fitted) == 6 and all(layer["after"] < layer["before"] for layer in fitted)
+    kl = {fit: run.report["stages"][0]["metrics"]["kl_mean"] for fit, run in runs.items()}
+    assert kl[True] < kl[False]

@@ -3,7 +3,8 @@
 The result is the standard architecture with a smaller `num_key_value_heads` (the KV cache shrinks
 by the same factor), loadable by plain transformers. The math is in surgeon/kv_heads.py; with
 calibration text the step also reports how closely each init reproduces the parent's keys and
-values there, so a recipe shows which starts closer.
+values there; with `compare` text it measures every init against the parent (a stage each in the
+model card), and `init: best` keeps the one that starts closest.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
 from .. import architecture
+from ..attention_fit import capture_attention, fit_attention
 from ..data import TextData, describe_files, resolve_text_files, token_windows
 from ..errors import ParamError
 from ..kv_heads import INITS, fold_into_output, fold_into_queries, merge_keys, merge_values, relative_error
-from ..patient import Patient, Provenance
+from ..metrics import compare_to_parent, parent_reference
+from ..patient import Patient, Provenance, Stage
 from . import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
@@ -28,17 +31,37 @@ log = logging.getLogger(__name__)
 NORMED_KEYS = ("qwen3", "gemma3_text")
 
 
+class AttentionFit(BaseModel):
+    """Layer-local fit after the init (surgeon/attention_fit.py): `steps` Adam steps per layer on
+    batches of `batch` calibration windows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(100, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    batch: int = Field(4, gt=0)
+
+
 class ReduceKVHeadsParams(BaseModel):
+    """`calibration`: text whose activations the svd init is fitted to; `compare`: text on which every
+    init is measured against the parent before any healing; `init: best` keeps the lowest kl_mean there."""
+
     model_config = ConfigDict(extra="forbid")
 
     kv_heads: int = Field(gt=0)
-    init: Literal["mean", "first", "svd"] = "mean"
+    init: Literal["mean", "first", "svd", "best"] = "mean"
     calibration: TextData | None = None
+    compare: TextData | None = None
+    fit: AttentionFit | None = None
 
     @model_validator(mode="after")
-    def _svd_needs_data(self):
-        if self.init == "svd" and self.calibration is None:
-            raise ValueError("init svd fits the shared heads to activations: give `calibration` text")
+    def _needs_data(self):
+        if self.init in ("svd", "best") and self.calibration is None:
+            raise ValueError(f"init {self.init} needs the svd fit to activations: give `calibration` text")
+        if self.fit is not None and self.calibration is None:
+            raise ValueError("fit trains each layer's attention on activations: give `calibration` text")
+        if self.init == "best" and self.compare is None:
+            raise ValueError("init best picks the init closest to the parent: give `compare` text to measure on")
         return self
 
 
@@ -55,11 +78,12 @@ class ReduceKVHeads(Operation):
         if params.kv_heads > kv or kv % params.kv_heads:
             raise ParamError(("kv_heads",), f"{params.kv_heads} KV heads: must divide the current {kv} "
                              f"(each new head merges a whole group of old ones)")
-        if params.calibration is not None:
-            try:
-                ctx.facts["files"] = resolve_text_files(params.calibration, ctx.recipe_dir)
-            except ParamError as exc:
-                raise exc.under(("calibration",)) from None
+        for field in ("calibration", "compare"):
+            if (data := getattr(params, field)) is not None:
+                try:
+                    ctx.facts[field] = resolve_text_files(data, ctx.recipe_dir)
+                except ParamError as exc:
+                    raise exc.under((field,)) from None
         new = config.__class__.from_dict({**config.to_dict(), "num_key_value_heads": params.kv_heads})
         keys = "mean keys (q/k norm)" if params.init == "svd" and config.model_type in NORMED_KEYS else ""
         note = (f"{kv} -> {params.kv_heads} KV heads ({heads} query heads; KV cache x{params.kv_heads / kv:.2f}), "
@@ -70,32 +94,69 @@ class ReduceKVHeads(Operation):
         model = patient.model
         config = model.config
         sigmas = None
-        files = ctx.facts.get("files")
+        files = None
         if params.calibration is not None:
-            files = files or resolve_text_files(params.calibration, ctx.recipe_dir)
+            files = ctx.facts.get("calibration") or resolve_text_files(params.calibration, ctx.recipe_dir)
             windows = token_windows(patient.tokenizer, files, params.calibration)
             sigmas = attention_input_covariance(model, windows)
-        state, errors = reduce_kv_heads(model, params.kv_heads, params.init, sigmas)
         new_config = config.__class__.from_dict({**config.to_dict(), "num_key_value_heads": params.kv_heads})
-        reduced = architecture.assemble(new_config, state, model.generation_config)
+
+        def build(init: str):
+            state, errors = reduce_kv_heads(model, params.kv_heads, init, sigmas)
+            return architecture.assemble(new_config, state, model.generation_config), errors
+
+        stages, measured = [], {}
+        if params.compare is not None:
+            compare_files = ctx.facts.get("compare") or resolve_text_files(params.compare, ctx.recipe_dir)
+            compare_windows = token_windows(patient.tokenizer, compare_files, params.compare)
+            reference = parent_reference(lambda: patient.parent, compare_windows, patient.base.fingerprint())
+            candidates = [name for name in INITS if name != "svd" or sigmas is not None]
+            for name in candidates:
+                candidate, _ = build(name)
+                measured[name] = compare_to_parent(candidate, compare_windows, reference)
+                stages.append(Stage(name=f"{self.name} init {name}", data=describe_files(compare_files),
+                                    metrics=measured[name]))
+                log.info("init %s: kl_mean %.4f, top-1 %.3f, ppl %.2f", name, measured[name]["kl_mean"],
+                         measured[name]["top1_agreement"], measured[name]["ppl"])
+                del candidate
+        init = min(measured, key=lambda n: measured[n]["kl_mean"]) if params.init == "best" else params.init
+        reduced, errors = build(init)
+        fitted = None
+        if params.fit is not None:
+            captured = capture_attention(model, windows)
+            fitted = fit_attention(reduced, captured, params.fit.steps, params.fit.lr, params.fit.batch)
+            del captured
         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         hd = architecture.head_dim(config)
         per_token = 2 * config.num_hidden_layers * hd * model.dtype.itemsize
         why = f"a KV cache {kv // params.kv_heads}x smaller ({per_token * kv:,} -> {per_token * params.kv_heads:,} bytes per token)"
         if errors:
-            summary = ", ".join(f"{init} K {e['k']:.3f} V {e['v']:.3f}" for init, e in errors.items())
+            summary = ", ".join(f"{name} K {e['k']:.3f} V {e['v']:.3f}" for name, e in errors.items())
             why += f"; relative error of the merged keys/values on {describe_files(files)}: {summary}"
+        if fitted:
+            before, after = (sum(f[key] for f in fitted) / len(fitted) for key in ("before", "after"))
+            why += (f"; then each layer's attention fitted to the parent's ({params.fit.steps} steps): relative error of "
+                    f"its output {before:.3f} -> {after:.3f} (mean over layers)")
+        if measured:
+            summary = ", ".join(f"{name} {m['kl_mean']:.3f}" for name, m in measured.items())
+            why += f"; kl_mean to the parent before healing: {summary}"
+            if params.init == "best":
+                why += f" (kept {init})"
         entry = Provenance(
             op=self.name,
-            what=f"merged {kv} KV heads into {params.kv_heads} per layer (init {params.init})",
+            what=f"merged {kv} KV heads into {params.kv_heads} per layer (init {init}{', fitted' if fitted else ''})",
             why=why,
-            params={"kv_heads": params.kv_heads, "init": params.init},
+            params={"kv_heads": params.kv_heads, "init": params.init,
+                    "fit": params.fit.model_dump() if params.fit else None},
             before=patient.shape().as_dict(),
             after=architecture.shape_of(new_config, model.dtype).as_dict(),
-            details={"relative_error": errors, "kv_cache_bytes_per_token": {"before": per_token * kv,
-                                                                            "after": per_token * params.kv_heads}},
+            details={"relative_error": errors, "init": init, "compare": measured, "fit": fitted,
+                     "kv_cache_bytes_per_token": {"before": per_token * kv, "after": per_token * params.kv_heads}},
         )
-        return patient.with_model(reduced, entry)
+        result = patient.with_model(reduced, entry)
+        for stage in stages:
+            result = result.with_stage(stage)
+        return result
 
 
 @torch.inference_mode()
