@@ -7,7 +7,7 @@ import yaml
 from .metrics import METRIC_NAMES
 
 _TAGS_BY_OP = {"drop_layers": "layer-pruning", "stack": "passthrough", "heal": "distillation", "evaluate": None,
-               "graft_vision": "vision-graft"}
+               "graft_vision": "vision-graft", "reduce_kv_heads": "gqa", "sparse_attention": "sparse-attention"}
 
 
 def render_card(report: dict, recipe_text: str, plots: list[str] = ()) -> str:
@@ -153,9 +153,13 @@ def _fmt_share(value) -> str:
 
 def _use_section(vision: bool, report: dict) -> list[str]:
     if not vision:
+        sparse = any(p["op"] == "sparse_attention" for p in report["provenance"])
+        flag = ", trust_remote_code=True" if sparse else ""
         return ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-                'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")',
-                'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")', "```", ""]
+                f'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO"{flag})',
+                'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")', "```", "",
+                *(["The sparse-attention model class is saved beside the weights (`auto_map`); "
+                   "`trust_remote_code=True` runs that code, which you can read first.", ""] if sparse else [])]
     remote = report.get("export_class") != "LlavaForConditionalGeneration"
     flag = ", trust_remote_code=True" if remote else ""
     return ["## Use", "", "```python", "from PIL import Image",

@@ -22,7 +22,9 @@ from ..architecture import shape_of
 from ..data import describe_files
 from ..errors import ParamError
 from ..patient import Patient, Provenance
+from ..modeling.sparse_attention import sparse_modules
 from ..training.data import IMAGE_KINDS, HealData, build_train_set, check_sources
+from ..training.indexer import indexer_mode
 from ..training.loop import LoopSpec, train
 from ..training.trainable import TrainSpec, check_trainable, finish_student, prepare_student
 from ..vision.graft import is_vlm
@@ -74,7 +76,7 @@ class Heal(Operation):
             from transformers import AutoModelForCausalLM
 
             meta_model = AutoModelForCausalLM.from_config(state.config)
-        counts = check_trainable(params.train, meta_model, ("train",))
+        counts = check_trainable(_with_indexers(params.train, meta_model), meta_model, ("train",))
         ctx.facts["trainable"] = counts
         share = counts["trainable"] / counts["total"]
         tokens = params.steps * params.batch_size * params.grad_accum * params.data.window
@@ -102,10 +104,13 @@ class Heal(Operation):
         # parent (trained tensors are copied first, in prepare_student).
         current = patient.model
         student = architecture.assemble(current.config, current.state_dict(), current.generation_config)
-        student, trainable = prepare_student(student, params.train)
+        sparse = bool(sparse_modules(student))
+        student, trainable = prepare_student(student, _with_indexers(params.train, student))
         digest = hashlib.sha256(
             f"{ctx.recipe_digest}|{ctx.index}|{data.digest()}|{sorted(trainable)}".encode()).hexdigest()[:16]
-        with _work_dir(ctx) as work:
+        # A sparse-attention student: selection on, and each indexer learns the attention over the
+        # keys it picked (DeepSeek's second stage) while the LM is distilled.
+        with step_work_dir(ctx) as work, indexer_mode(student, dense=False, loss=sparse):
             result = train(
                 student, trainable, teacher, data, params,
                 teacher_fingerprint=fingerprint, teacher_is_parent=params.teacher == PARENT,
@@ -139,8 +144,15 @@ class Heal(Operation):
         return patient.with_model(model, entry)
 
 
+def _with_indexers(train: TrainSpec, model) -> TrainSpec:
+    """A sparse-attention model's indexers always train with it (on their own loss)."""
+    if not sparse_modules(model):
+        return train
+    return train.model_copy(update={"params": [*(train.params or []), "model.layers.*.self_attn.indexer"]})
+
+
 @contextmanager
-def _work_dir(ctx: StepContext):
+def step_work_dir(ctx: StepContext):
     """The run's checkpoint folder; outside a run (a library call), a temporary one."""
     if ctx.work_dir is not None:
         yield ctx.work_dir

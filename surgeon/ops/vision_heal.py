@@ -56,7 +56,7 @@ def plan_vision_heal(params, state: ModelState, ctx: StepContext):
 
 
 def apply_vision_heal(op_name: str, params, patient: Patient, ctx: StepContext) -> Patient:
-    from .heal import _work_dir
+    from .heal import step_work_dir
 
     from ..training.data import check_sources
 
@@ -68,7 +68,7 @@ def apply_vision_heal(op_name: str, params, patient: Patient, ctx: StepContext) 
     student, trainable = prepare_student(student, params.train)
     digest = hashlib.sha256(
         f"{ctx.recipe_digest}|{ctx.index}|{data.digest()}|{sorted(trainable)}".encode()).hexdigest()[:16]
-    with _work_dir(ctx) as work:
+    with step_work_dir(ctx) as work:
         result = train_vision(student, trainable, data, processor, params, checkpoint_dir=work / f"heal-step{ctx.index}",
                               resume=ctx.resume, run_digest=digest)
     model = finish_student(student)

@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..metrics import compare_to_parent, parent_reference
+from ..modeling.sparse_attention import mean_indexer_loss, sparse_modules
 from .data import TrainSet
 from .distill_loss import DenseTeacher, LossConfig, distill_loss
 from .driver import LoopResult, batch_indices, drive, make_accelerator
@@ -107,8 +108,13 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
     if data.heldout_ids.shape[0]:
         reference = parent_reference(lambda: teacher, data.heldout_ids, teacher_fingerprint)
 
+    # Sparse-attention layers set to learn (surgeon/training/indexer.py): their indexer KL joins the loss.
+    indexers = [m for m in sparse_modules(student) if m.want_loss]
+
     def one_step(body, step: int):
         totals = {"loss": 0.0, "kl": 0.0, "ce": 0.0, "hidden": 0.0}
+        if indexers:
+            totals["indexer"] = 0.0
         tokens = 0
         for micro in range(spec.grad_accum):
             windows = batch_indices(step, micro, spec, data.train_ids.shape[0], accelerator)
@@ -118,6 +124,10 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
             with (accelerator.no_sync(body) if not sync else nullcontext()), accelerator.autocast():
                 loss, parts = _micro_step(body, student, teacher, ids, mask, windows, prefix, pairs, cache,
                                           loss_config, spec.loss.hidden)
+                if indexers:
+                    index_loss = mean_indexer_loss(indexers)
+                    loss = loss + index_loss
+                    parts["indexer"] = index_loss.item()
                 accelerator.backward(loss / spec.grad_accum)
             for key in totals:
                 totals[key] += parts.get(key, 0.0) / spec.grad_accum
