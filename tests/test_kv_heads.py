@@ -162,7 +162,7 @@ def test_fit_brings_each_attention_closer_to_the_parents(write_recipe, tiny_mode
     calibration = f"{{text: {text_dir / 'calibration.txt'}, tokens: 1024, window: 64}}"
     heldout = f"{{text: {text_dir / 'heldout.txt'}, tokens: 512, window: 64}}"
     runs = {}
-    for fit in ("", "\n              fit: {steps: 40, lr: 3.0e-3, batch: 4}"):
+    for fit in ("", "\n                  fit: {steps: 40, lr: 3.0e-3, batch: 4}"):
         recipe = write_recipe(f"""
             name: fit-kv
             base: {tiny_models[family]}
