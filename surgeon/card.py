@@ -157,7 +157,7 @@ def _use_section(vision: bool, report: dict) -> list[str]:
         flag = ", trust_remote_code=True" if sparse else ""
         return ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                 f'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO"{flag})',
-                'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")', "```", "",
+                f'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO"{flag})', "```", "",
                 *(["The sparse-attention model class is saved beside the weights (`auto_map`); "
                    "`trust_remote_code=True` runs that code, which you can read first.", ""] if sparse else [])]
     remote = report.get("export_class") != "LlavaForConditionalGeneration"

@@ -68,11 +68,11 @@ class SparsifyAttention(Operation):
 
     def plan(self, params: SparseAttentionParams, state: ModelState, ctx: StepContext):
         config = state.config
-        if config.model_type not in ("llama", SurgeonSparseLlamaConfig.model_type):
-            raise ParamError((), f"sparse attention is built for Llama-architecture models (SmolLM2, Llama); "
-                                 f"this model is {config.model_type!r}")
         if config.model_type == SurgeonSparseLlamaConfig.model_type:
             raise ParamError((), "the model already has sparse attention")
+        if config.model_type != "llama":
+            raise ParamError((), f"sparse attention is built for Llama-architecture models (SmolLM2, Llama); "
+                                 f"this model is {config.model_type!r}")
         layers = expand_layers(params.layers, config.num_hidden_layers, ("layers",)) if params.layers else None
         if params.recall is not None:
             try:
