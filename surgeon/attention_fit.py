@@ -49,7 +49,7 @@ def capture_attention(model, windows: torch.Tensor) -> list[dict]:
     return [{"x": torch.cat(t["x"]), "y": torch.cat(t["y"]), "kwargs": t["kwargs"]} for t in taken]
 
 
-def relative_error(attention, x: torch.Tensor, y: torch.Tensor, kwargs: dict) -> torch.Tensor:
+def output_error(attention, x: torch.Tensor, y: torch.Tensor, kwargs: dict) -> torch.Tensor:
     out = attention(hidden_states=x.to(_dtype(attention)), **kwargs)[0].float()
     return (out - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-12)
 
@@ -66,13 +66,13 @@ def fit_attention(model, captured: list[dict], steps: int, lr: float, batch: int
             param.data = param.data.clone()  # tensors still shared with the parent (norms) stay untouched
             param.requires_grad_(True)
         with torch.no_grad():
-            before = relative_error(attention, data["x"], data["y"], data["kwargs"]).item()
+            before = output_error(attention, data["x"], data["y"], data["kwargs"]).item()
         optimizer = torch.optim.Adam(params, lr=lr)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
         n = data["x"].shape[0]
         for _ in range(steps):
             rows = torch.randint(0, n, (min(batch, n),), generator=generator)
-            loss = relative_error(attention, data["x"][rows], data["y"][rows], data["kwargs"])
+            loss = output_error(attention, data["x"][rows], data["y"][rows], data["kwargs"])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -80,7 +80,7 @@ def fit_attention(model, captured: list[dict], steps: int, lr: float, batch: int
         for param in params:
             param.requires_grad_(False)
         with torch.no_grad():
-            after = relative_error(attention, data["x"], data["y"], data["kwargs"]).item()
+            after = output_error(attention, data["x"], data["y"], data["kwargs"]).item()
         report.append({"before": before, "after": after})
         log.debug("layer %d attention error %.4f -> %.4f", index, before, after)
     return report

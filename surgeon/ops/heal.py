@@ -21,8 +21,8 @@ from .. import architecture
 from ..architecture import shape_of
 from ..data import describe_files
 from ..errors import ParamError
-from ..patient import Patient, Provenance
 from ..modeling.sparse_attention import sparse_modules
+from ..patient import Patient, Provenance
 from ..training.data import IMAGE_KINDS, HealData, build_train_set, check_sources
 from ..training.indexer import indexer_mode
 from ..training.loop import LoopSpec, train

@@ -20,6 +20,7 @@ from .. import architecture
 from ..data import TextData, describe_files, resolve_text_files, token_windows
 from ..errors import ParamError
 from ..layer_spec import LayerList, expand_layers, format_ranges
+from ..metrics import windows_digest
 from ..modeling.sparse_attention import SparseSettings, attention_flops
 from ..modeling.sparse_llama import SurgeonSparseLlamaConfig
 from ..patient import Patient, Provenance
@@ -118,7 +119,7 @@ class SparsifyAttention(Operation):
             windows = token_windows(patient.tokenizer, files, spec.data)
             held = min(spec.heldout_windows, max(0, windows.shape[0] - 1))
             train_ids, heldout_ids = windows[: windows.shape[0] - held], windows[windows.shape[0] - held:]
-            digest = hashlib.sha256(f"{ctx.recipe_digest}|{ctx.index}|{train_ids.shape}|warmup".encode()).hexdigest()[:16]
+            digest = hashlib.sha256(f"{ctx.recipe_digest}|{ctx.index}|{windows_digest(windows)}|warmup".encode()).hexdigest()[:16]
             with step_work_dir(ctx) as work:
                 result = warm_up(sparse, train_ids, heldout_ids, spec, checkpoint_dir=work / f"indexer-step{ctx.index}",
                                  resume=ctx.resume, run_digest=digest)

@@ -3,7 +3,7 @@
 Stage 1, `warm_up`: selection off (the layers attend densely), the LM frozen; each indexer learns
 KL(head-summed, L1-normalised attention of its layer || softmax of its scores) over all visible keys.
 Stage 2 is the heal step with selection on: the LM is distilled from the dense parent while each
-indexer keeps learning the same KL restricted to the keys it selected (`indexer_training`).
+indexer keeps learning the same KL restricted to the keys it selected (`indexer_mode(dense=False, loss=True)`).
 Both read the layer's attention probabilities, so the model runs with eager attention meanwhile.
 """
 
