@@ -19,6 +19,8 @@ import torch
 from pydantic import BaseModel
 from transformers import PretrainedConfig
 
+from ..data import TextData, resolve_text_files, token_windows
+from ..errors import ParamError
 from ..patient import Patient
 from ..sources import Source
 
@@ -46,6 +48,22 @@ class StepContext:
     work_dir: Path | None = None  # the run's checkpoints (beside the export); None in plan
     resume: bool = False
     recipe_digest: str = ""
+
+    def resolve_text(self, key: str, data: TextData, path: tuple) -> list[Path]:
+        """In plan: the files of a step's text (an error points at `path` in the recipe), kept under
+        `key` for apply."""
+        try:
+            files = resolve_text_files(data, self.recipe_dir)
+        except ParamError as exc:
+            raise exc.under(path) from None
+        self.facts[key] = files
+        return files
+
+    def text_windows(self, key: str, data: TextData, tokenizer) -> tuple[list[Path], torch.Tensor]:
+        """In apply: the files plan kept under `key` (resolved now when apply runs unplanned) and
+        their token windows."""
+        files = self.facts.get(key) or resolve_text_files(data, self.recipe_dir)
+        return files, token_windows(tokenizer, files, data)
 
     def stage_name(self, name: str | None) -> str:
         """A measuring step's label in the report: its own `name`, else after the last operation."""

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
 from .. import architecture
-from ..data import TextData, describe_files, resolve_text_files, token_windows
+from ..data import TextData, describe_files
 from ..errors import ParamError
 from ..metrics import compare_to_parent, parent_reference
 from ..patient import Patient, Provenance
@@ -68,11 +68,7 @@ class DropLayers(Operation):
         n = state.config.num_hidden_layers
         where = ""
         if params.calibration is not None:
-            try:
-                files = resolve_text_files(params.calibration, ctx.recipe_dir)
-            except ParamError as exc:
-                raise exc.under(("calibration",)) from None
-            ctx.facts["calibration_files"] = files
+            files = ctx.resolve_text("calibration_files", params.calibration, ("calibration",))
             where = f" on {describe_files(files)}"
         if params.layers is not None:
             listed = expand_layers(params.layers, n, ("layers",))
@@ -106,8 +102,7 @@ class DropLayers(Operation):
         n = model.config.num_hidden_layers
         windows = None
         if params.calibration is not None:
-            files = ctx.facts.get("calibration_files") or resolve_text_files(params.calibration, ctx.recipe_dir)
-            windows = token_windows(patient.tokenizer, files, params.calibration)
+            files, windows = ctx.text_windows("calibration_files", params.calibration, patient.tokenizer)
         if params.layers is not None:
             dropped, why, details = sorted(set(expand_layers(params.layers, n, ("layers",)))), "named in the recipe", {}
         else:

@@ -7,7 +7,7 @@ import logging
 from pydantic import BaseModel, ConfigDict
 
 from ..architecture import language_config
-from ..data import TextData, resolve_text_files, token_windows
+from ..data import TextData
 from ..errors import ParamError
 from ..metrics import compare_to_parent, parent_reference
 from ..patient import Patient, Stage
@@ -38,11 +38,7 @@ class Evaluate(Operation):
     accepts_vlm = True
 
     def plan(self, params: EvaluateParams, state: ModelState, ctx: StepContext):
-        try:
-            files = resolve_text_files(params.data, ctx.recipe_dir)
-        except ParamError as exc:
-            raise exc.under(("data",)) from None
-        ctx.facts["files"] = files
+        files = ctx.resolve_text("files", params.data, ("data",))
         if params.against != PARENT:
             if params.against not in ctx.sources:
                 known = ", ".join([PARENT, *ctx.sources])
@@ -59,8 +55,7 @@ class Evaluate(Operation):
         return state, f"{ctx.stage_name(params.name)}: {params.data.tokens} tokens of {', '.join(f.name for f in files)}"
 
     def apply(self, params: EvaluateParams, patient: Patient, ctx: StepContext) -> Patient:
-        files = ctx.facts.get("files") or resolve_text_files(params.data, ctx.recipe_dir)
-        windows = token_windows(patient.tokenizer, files, params.data)
+        files, windows = ctx.text_windows("files", params.data, patient.tokenizer)
         if params.against == PARENT:
             reference = parent_reference(lambda: patient.parent, windows, patient.base.fingerprint())
         else:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from .. import architecture
 from ..attention_fit import capture_attention, fit_attention
-from ..data import TextData, describe_files, resolve_text_files, token_windows
+from ..data import TextData, describe_files
 from ..errors import ParamError
 from ..kv_heads import INITS, fold_into_output, fold_into_queries, merge_keys, merge_values, relative_error
 from ..metrics import compare_to_parent, parent_reference
@@ -80,10 +80,7 @@ class ReduceKVHeads(Operation):
                              f"(each new head merges a whole group of old ones)")
         for field in ("calibration", "compare"):
             if (data := getattr(params, field)) is not None:
-                try:
-                    ctx.facts[field] = resolve_text_files(data, ctx.recipe_dir)
-                except ParamError as exc:
-                    raise exc.under((field,)) from None
+                ctx.resolve_text(field, data, (field,))
         new = config.__class__.from_dict({**config.to_dict(), "num_key_value_heads": params.kv_heads})
         keys = "mean keys (q/k norm)" if params.init == "svd" and config.model_type in NORMED_KEYS else ""
         note = (f"{kv} -> {params.kv_heads} KV heads ({heads} query heads; KV cache x{params.kv_heads / kv:.2f}), "
@@ -96,8 +93,7 @@ class ReduceKVHeads(Operation):
         sigmas = None
         files = None
         if params.calibration is not None:
-            files = ctx.facts.get("calibration") or resolve_text_files(params.calibration, ctx.recipe_dir)
-            windows = token_windows(patient.tokenizer, files, params.calibration)
+            files, windows = ctx.text_windows("calibration", params.calibration, patient.tokenizer)
             sigmas = attention_input_covariance(model, windows)
         new_config = config.__class__.from_dict({**config.to_dict(), "num_key_value_heads": params.kv_heads})
 
@@ -107,8 +103,7 @@ class ReduceKVHeads(Operation):
 
         stages, measured = [], {}
         if params.compare is not None:
-            compare_files = ctx.facts.get("compare") or resolve_text_files(params.compare, ctx.recipe_dir)
-            compare_windows = token_windows(patient.tokenizer, compare_files, params.compare)
+            compare_files, compare_windows = ctx.text_windows("compare", params.compare, patient.tokenizer)
             reference = parent_reference(lambda: patient.parent, compare_windows, patient.base.fingerprint())
             candidates = [name for name in INITS if name != "svd" or sigmas is not None]
             for name in candidates:

@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import architecture
-from ..data import TextData, describe_files, resolve_text_files, token_windows
+from ..data import TextData, describe_files
 from ..errors import ParamError
 from ..layer_spec import LayerList, expand_layers, format_ranges
 from ..metrics import windows_digest
@@ -76,15 +76,9 @@ class SparsifyAttention(Operation):
                                  f"this model is {config.model_type!r}")
         layers = expand_layers(params.layers, config.num_hidden_layers, ("layers",)) if params.layers else None
         if params.recall is not None:
-            try:
-                ctx.facts["recall"] = resolve_text_files(params.recall, ctx.recipe_dir)
-            except ParamError as exc:
-                raise exc.under(("recall",)) from None
+            ctx.resolve_text("recall", params.recall, ("recall",))
         if params.warmup is not None:
-            try:
-                ctx.facts["warmup"] = resolve_text_files(params.warmup.data, ctx.recipe_dir)
-            except ParamError as exc:
-                raise exc.under(("warmup", "data")) from None
+            ctx.resolve_text("warmup", params.warmup.data, ("warmup", "data"))
         new = sparse_config(config, params, layers)
         n_layers = len(new.sparse_layers())
         saved = ", ".join(f"{n // 1024}K {1 - ratio:.0%}" if n >= 1024 else f"{n} {1 - ratio:.0%}"
@@ -109,14 +103,12 @@ class SparsifyAttention(Operation):
         details: dict = {"flops": {str(n): {"dense": d, "sparse": s} for n, (d, s) in flop_counts(config).items()}}
         recall_windows = None
         if params.recall is not None:
-            files = ctx.facts.get("recall") or resolve_text_files(params.recall, ctx.recipe_dir)
-            recall_windows = token_windows(patient.tokenizer, files, params.recall)
+            files, recall_windows = ctx.text_windows("recall", params.recall, patient.tokenizer)
             details["recall_data"] = describe_files(files)
             details["recall_at_init"] = _rounded(measure_recall(sparse, recall_windows))
         if params.warmup is not None:
             spec = params.warmup
-            files = ctx.facts.get("warmup") or resolve_text_files(spec.data, ctx.recipe_dir)
-            windows = token_windows(patient.tokenizer, files, spec.data)
+            files, windows = ctx.text_windows("warmup", spec.data, patient.tokenizer)
             held = min(spec.heldout_windows, max(0, windows.shape[0] - 1))
             train_ids, heldout_ids = windows[: windows.shape[0] - held], windows[windows.shape[0] - held:]
             digest = hashlib.sha256(f"{ctx.recipe_digest}|{ctx.index}|{windows_digest(windows)}|warmup".encode()).hexdigest()[:16]
