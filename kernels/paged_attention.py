@@ -1,0 +1,116 @@
+"""Decode attention over a paged KV cache (one new query token per sequence, GQA).
+
+Cache layout, shared by every kernel here: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
+a sequence's position p lives in block block_tables[seq, p // block_size] at row p % block_size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """q [B, H, D]; block_tables [B, max_blocks] int32 (unused slots any value); context_lens [B] int32,
+    the keys each query sees (its own included). Returns [B, H, D]; query head h reads KV head
+    h // (H / kv_heads)."""
+    batch, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    longest = int(context_lens.max())
+    blocks = -(-longest // block_size)
+    table = block_tables[:, :blocks].long().clamp_min(0)
+    k = k_cache[table].reshape(batch, blocks * block_size, kv_heads, dim)[:, :longest]
+    v = v_cache[table].reshape(batch, blocks * block_size, kv_heads, dim)[:, :longest]
+    seen = torch.arange(longest, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    grouped = q.view(batch, kv_heads, heads // kv_heads, dim).float()
+    logits = torch.einsum("bkgd,bskd->bkgs", grouped, k.float()) * scale
+    probs = logits.masked_fill(~seen[:, None, None], -math.inf).softmax(-1)
+    return torch.einsum("bkgs,bskd->bkgd", probs, v.float()).reshape(batch, heads, dim).to(q.dtype)
+
+
+try:  # the package imports without triton; the engine then uses the reference
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# Keys per partition (flash-decoding split) and per tile. Partitions let a few long sequences fill
+# the GPU; their count comes from the block table's width, so a launch never waits on the host.
+PARTITION = 512
+BLOCK_N = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
+                             stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
+                             stride_vb, stride_vs, stride_vh, stride_tb,
+                             GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             PARTITION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+        """One (sequence, KV head, partition): all GROUP query heads of that KV head at once, so each
+        key and value is loaded once. Writes the partition's unnormalised output, sum and max (base 2)."""
+        seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        num_parts = tl.num_programs(2)
+        length = tl.load(lens_ptr + seq)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None] & (d < DIM)[None, :], other=0.0)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        end = tl.minimum((part + 1) * PARTITION, length)
+        # Every tile starts below `length`, so it holds a visible key and m_i stays finite.
+        for start in range(part * PARTITION, end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            seen = pos < end
+            page = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=seen, other=0)
+            page = tl.maximum(page, 0).to(tl.int64)
+            row = pos % BLOCK_SIZE
+            tile_mask = seen[:, None] & (d < DIM)[None, :]
+            k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
+                        + d[None, :], mask=tile_mask, other=0.0)
+            v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
+                        + d[None, :], mask=tile_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
+        stat = (seq * tl.num_programs(1) * GROUP + heads) * num_parts + part  # [B, H, parts]
+        tl.store(m_ptr + stat, m_i, mask=g < GROUP)
+        tl.store(l_ptr + stat, l_i, mask=g < GROUP)
+        tl.store(acc_ptr + stat[:, None] * DIM + d[None, :], acc, mask=(g < GROUP)[:, None] & (d < DIM)[None, :])
+
+    def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+        """Triton version of paged_decode_attention_reference (context_lens >= 1)."""
+        batch, heads, dim = q.shape
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches need contiguous head_dim"
+        q, block_tables = q.contiguous(), block_tables.contiguous()
+        parts = triton.cdiv(block_tables.shape[1] * block_size, PARTITION)
+        m = q.new_empty(batch, heads, parts, dtype=torch.float32)
+        l = torch.empty_like(m)
+        acc = q.new_empty(batch, heads, parts, dim, dtype=torch.float32)
+        group = heads // kv_heads
+        _paged_decode_kernel[(batch, kv_heads, parts)](
+            q, k_cache, v_cache, block_tables, context_lens, m, l, acc, scale * math.log2(math.e),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            GROUP=group, DIM=dim, BLOCK_SIZE=block_size, PARTITION=PARTITION,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            BLOCK_N=BLOCK_N)
+        # Merge partitions: rescale each to the common max; empty ones (m = -inf) weigh nothing.
+        weight = torch.exp2(m - m.amax(-1, keepdim=True))
+        out = (acc * weight[..., None]).sum(2) / (l * weight).sum(2)[..., None]
+        return out.to(q.dtype)

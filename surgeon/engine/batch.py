@@ -1,0 +1,24 @@
+"""What one model step reads besides token ids: positions, where new keys go in the paged cache,
+and which cached keys each query sees. Built by the runner, read by every attention layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    prefill: bool
+    positions: torch.Tensor      # [T] long, each token's position in its sequence
+    slots: torch.Tensor          # [T] long, where each token's key/value are written (block * size + row)
+    block_tables: torch.Tensor   # [B, max_blocks] int32, -1 padded
+    context_lens: torch.Tensor   # [B] int32, keys each sequence has after this step
+    token_rows: torch.Tensor     # [T] long, the sequence (row of block_tables) of each token
+    logit_rows: torch.Tensor     # [R] long, tokens whose next-token logits are needed
+    # Prefill only: packed queries and keys per sequence (see kernels/prefill_attention.py).
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    context_slots: torch.Tensor | None = None  # [Tk] long, cache slots of every key of every sequence
+    spans: torch.Tensor | None = None          # [Tk] int32 image ids for bidirectional image attention

@@ -1,0 +1,200 @@
+"""`LLM`: the engine's front door (cf. nano-vllm's LLMEngine).
+
+    llm = LLM("out/smollm2-drop6")
+    llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32))
+
+Requests are added, then `step()` runs one scheduled batch and returns what each request gained.
+`generate` and `stream` are loops over that; the server drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .block_manager import BlockManager
+from .loader import load
+from .runner import ModelRunner
+from .sampler import sample
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stopping import Stopper
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    text: str             # new text since this request's previous output
+    token_ids: list[int]  # new token ids
+    finish_reason: str | None  # None while running; "stop", "length" or "loop" (degenerate repetition)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class LLM:
+    """`path`: a surgeon export, a Hugging Face folder of a supported family, or a surgeon alias.
+    `kv_cache_tokens`: positions the paged cache holds over all sequences (default: 1 GiB worth on
+    a CPU, 60% of free memory on a GPU). `max_batched_tokens`: the prefill chunk budget per step."""
+
+    def __init__(self, path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+                 max_num_seqs: int = 16, max_batched_tokens: int = 512, block_size: int = 16,
+                 kv_cache_tokens: int | None = None, prefix_caching: bool = True,
+                 trust_remote_code: bool = False):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        loaded = load(str(path), self.device, self.dtype, trust_remote_code)
+        self.model, self.tokenizer, self.vision = loaded.model, loaded.tokenizer, loaded.vision
+        self.model_name = loaded.name
+        per_token = ModelRunner.cache_bytes_per_token(self.model, self.dtype)
+        if kv_cache_tokens is None:
+            kv_cache_tokens = self._default_cache_tokens(per_token)
+        num_blocks = max(2, kv_cache_tokens // block_size)
+        self.max_model_len = min(num_blocks * block_size, self.model.config.max_position_embeddings)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batched_tokens)
+        self.runner = ModelRunner(self.model, self.vision, num_blocks, block_size, self.device, self.dtype)
+        self.stopper = Stopper(self.tokenizer, loaded.eos_ids, self.max_model_len)
+        self.requests: dict[str, Sequence] = {}
+        log.info("engine: %s on %s (%s), KV cache %d tokens in blocks of %d", self.model_name, self.device,
+                 str(self.dtype).removeprefix("torch."), num_blocks * block_size, block_size)
+
+    def _default_cache_tokens(self, per_token: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.6) // per_token
+        return (1 << 30) // per_token
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.vision is not None
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def encode(self, prompt, images: list | None = None) -> tuple[list[int], list]:
+        """Token ids and image spans of a prompt: text, token ids, or chat messages."""
+        images = list(images or [])
+        if images and not self.is_vlm:
+            raise ValueError(f"{self.model_name} is a text-only model; it cannot take images")
+        if isinstance(prompt, str):
+            if images:
+                raise ValueError("images need chat messages with image parts, not a plain text prompt")
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list) and all(isinstance(message, dict) for message in prompt):
+            ids = self._chat_ids(prompt, images)
+        else:
+            raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        spans = self.vision.spans(ids, images) if self.is_vlm else []
+        return ids, spans
+
+    def _chat_ids(self, messages: list[dict], images: list) -> list[int]:
+        from ..errors import DataError
+        from ..training.data import chat_ids
+
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"{self.model_name} has no chat template; send a plain text prompt")
+        try:
+            if self.is_vlm:
+                return self.vision.processor.prompt(messages, images)["input_ids"][0].tolist()
+            for message in messages:
+                if not isinstance(message.get("content"), str):
+                    raise ValueError("a text-only model takes string message contents")
+            return chat_ids(self.tokenizer, messages, generation_prompt=True)
+        except DataError as exc:
+            raise ValueError(str(exc)) from None
+
+    def add_request(self, prompt, params: SamplingParams | None = None, images: list | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids, spans = self.encode(prompt, images)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this engine holds at most "
+                             f"{self.max_model_len - 1} prompt tokens")
+        seq = Sequence(ids, params, request_id=request_id or "", images=spans)
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        logits = self.runner.run(scheduled)
+        done = [seq for seq, chunk in zip(scheduled.seqs, scheduled.chunks) if seq.computed + chunk == len(seq)]
+        for seq, chunk in zip(scheduled.seqs, scheduled.chunks):
+            seq.computed += chunk
+            self.blocks.commit(seq)
+        outputs = []
+        for seq, token in zip(done, sample(logits, done)):
+            seq.token_ids.append(token)
+            text, reason = self.stopper.check(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+            outputs.append(StepOutput(seq.request_id, text, [token], reason, seq.prompt_len, len(seq.completion_ids)))
+        return outputs
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list[list] | None = None) -> list[Completion]:
+        """Run every prompt to completion (batched continuously); results in the prompts' order."""
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        images = images or [None] * len(prompts)
+        order = [self.add_request(prompt, p, imgs) for prompt, p, imgs in zip(prompts, params, images)]
+        results: dict[str, Completion] = {}
+        gathered: dict[str, tuple[list[str], list[int]]] = {rid: ([], []) for rid in order}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id not in gathered:
+                    continue
+                texts, tokens = gathered[out.request_id]
+                texts.append(out.text)
+                tokens.extend(out.token_ids)
+                if out.finish_reason is not None:
+                    results[out.request_id] = Completion(out.request_id, "".join(texts), tokens,
+                                                         out.finish_reason, out.prompt_tokens)
+        return [results[rid] for rid in order]
+
+    def stream(self, prompt, params: SamplingParams | None = None, images: list | None = None) -> Iterator[StepOutput]:
+        """One request's outputs as they come (other requests in flight progress too)."""
+        rid = self.add_request(prompt, params, images)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finish_reason is not None:
+                            return
+        finally:
+            self.abort(rid)

@@ -1,0 +1,91 @@
+"""A checkpoint -> the engine's model, tokenizer, stop tokens and (for a VLM) vision encoder.
+
+Accepts what `surgeon run` exports (dense, fewer KV heads, sparse attention, VLM), Hugging Face
+folders of the supported families, and surgeon's aliases (e.g. smollm2-135m-instruct). transformers
+reads the weights (safetensors only); the engine then builds its own modules around them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SourceError
+from .models.llama import FAMILIES, LlamaEngineModel
+from .vision import VisionEncoder
+
+
+@dataclass
+class Loaded:
+    model: LlamaEngineModel
+    tokenizer: object
+    vision: VisionEncoder | None
+    eos_ids: set[int]
+    name: str
+
+
+def _model_type(path: Path) -> str | None:
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("model_type")
+
+
+def _eos_ids(tokenizer, generation_config, config) -> set[int]:
+    found = set()
+    for holder in (generation_config, config):
+        value = getattr(holder, "eos_token_id", None) if holder is not None else None
+        if value is not None:
+            found.update(value if isinstance(value, list) else [value])
+    if tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return found
+
+
+def _check_family(config, where: str) -> None:
+    if config.model_type not in FAMILIES:
+        raise SourceError(f"{where}: the engine runs {', '.join(FAMILIES)} models (and surgeon VLMs built "
+                          f"on them); this one is '{config.model_type}'")
+
+
+def load(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> Loaded:
+    from .. import modeling  # noqa: F401  registers surgeon's model classes with the Auto classes
+    from ..sources import resolve_source
+
+    path = Path(spec).expanduser()
+    if path.is_dir() and _model_type(path) == "surgeon_vlm":
+        return _load_vlm(path, device, dtype)
+    source = resolve_source(spec, Path.cwd(), trust_remote_code=trust_remote_code)
+    config = source.config if source.kind != "folder" else None
+    if config is not None:
+        _check_family(config, f"'{spec}'")
+    causal_lm = source.load_model().to(device=device, dtype=dtype)
+    _check_family(causal_lm.config, f"'{spec}'")
+    tokenizer = source.load_tokenizer()
+    eos = _eos_ids(tokenizer, source.generation_config(), causal_lm.config)
+    name = path.name if path.is_dir() else spec
+    return Loaded(LlamaEngineModel(causal_lm).eval(), tokenizer, None, eos, name)
+
+
+def _load_vlm(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded:
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
+
+    from ..vision.graft import processor_for
+
+    try:
+        vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"'{path}': cannot load the VLM: {exc}") from None
+    vlm = vlm.to(device).eval()
+    _check_family(vlm.config.text_config, f"'{path}' (its language model)")
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation = None
+    vision = VisionEncoder(vlm, processor_for(vlm, tokenizer), device)
+    eos = _eos_ids(tokenizer, generation, vlm.config.text_config)
+    return Loaded(LlamaEngineModel(vlm.language_model).eval(), tokenizer, vision, eos, path.name)

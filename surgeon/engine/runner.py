@@ -1,0 +1,92 @@
+"""Runs a scheduled step: owns the paged KV cache, packs the step's tokens, calls the model."""
+
+from __future__ import annotations
+
+import torch
+
+from .batch import StepBatch
+from .models.llama import LlamaEngineModel
+from .scheduler import Scheduled
+from .vision import VisionEncoder
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaEngineModel, vision: VisionEncoder | None, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.model, self.vision = model, vision
+        self.block_size, self.device = block_size, device
+        config = model.config
+        for index, layer in enumerate(model.layers):
+            attention = layer.attention
+            shape = (num_blocks, block_size, attention.kv_heads, attention.head_dim)
+            attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            if attention.indexer is not None:
+                attention.index_cache = torch.zeros(num_blocks, block_size, attention.indexer.dim,
+                                                    dtype=torch.float32, device=device)
+        self.vocab_size = config.vocab_size
+
+    @staticmethod
+    def cache_bytes_per_token(model: LlamaEngineModel, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for layer in model.layers:
+            attention = layer.attention
+            total += 2 * attention.kv_heads * attention.head_dim * size
+            if attention.indexer is not None:
+                total += attention.indexer.dim * 4
+        return total
+
+    def _slot(self, seq, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    @torch.inference_mode()
+    def run(self, step: Scheduled) -> torch.Tensor:
+        """Logits [R, vocab] fp32 for the sequences whose step reaches their last token, in order."""
+        ids, positions, slots, token_rows, logit_rows = [], [], [], [], []
+        context_slots, cu_q, cu_k = [], [0], [0]
+        for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks)):
+            start, end = seq.computed, seq.computed + chunk
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slot(seq, p) for p in range(start, end))
+            token_rows.extend([row] * chunk)
+            if end == len(seq):
+                logit_rows.append(len(ids) - 1)
+            if step.prefill:
+                context_slots.extend(self._slot(seq, p) for p in range(end))
+                cu_q.append(cu_q[-1] + chunk)
+                cu_k.append(cu_k[-1] + end)
+        widest = max(len(seq.block_table) for seq in step.seqs)
+        tables = [seq.block_table + [-1] * (widest - len(seq.block_table)) for seq in step.seqs]
+        device = self.device
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        batch = StepBatch(
+            prefill=step.prefill, positions=tensor(positions), slots=tensor(slots),
+            block_tables=tensor(tables, torch.int32),
+            context_lens=tensor([seq.computed + chunk for seq, chunk in zip(step.seqs, step.chunks)], torch.int32),
+            token_rows=tensor(token_rows), logit_rows=tensor(logit_rows))
+        if step.prefill:
+            batch.cu_seqlens_q, batch.cu_seqlens_k = tensor(cu_q, torch.int32), tensor(cu_k, torch.int32)
+            batch.context_slots = tensor(context_slots)
+        return self.model(self._embed(step, ids), batch)
+
+    def _embed(self, step: Scheduled, ids: list[int]) -> torch.Tensor:
+        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.vision is None:
+            return self.model.embed(token_ids)
+        placeholder = token_ids == self.vision.image_token_id
+        embeds = self.model.embed(token_ids.masked_fill(placeholder, 0))
+        offset = 0
+        for seq, chunk in zip(step.seqs, step.chunks):
+            start, end = seq.computed, seq.computed + chunk
+            for span in seq.images:
+                if span.overlaps(start, end):
+                    lo, hi = max(start, span.start), min(end, span.start + span.length)
+                    features = self.vision.features(span)[lo - span.start:hi - span.start]
+                    embeds[offset + lo - start:offset + hi - start] = features.to(embeds.dtype)
+            offset += chunk
+        return embeds

@@ -1,0 +1,78 @@
+"""One request as the engine tracks it: its tokens, where their keys live, how far it has got."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class ImageSpan:
+    """An image's placeholder run in the prompt. `digest` (its pixels' hash) enters the prefix
+    cache's hash chain, so a repeated image reuses its cached keys; `pixels` are dropped once its
+    span has been prefilled."""
+
+    start: int
+    length: int
+    digest: str
+    pixels: torch.Tensor | None
+
+    def overlaps(self, begin: int, end: int) -> bool:
+        return self.start < end and begin < self.start + self.length
+
+
+_counter = itertools.count()
+
+
+@dataclass
+class Sequence:
+    token_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    images: list[ImageSpan] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks committed so far
+    computed: int = 0            # tokens whose keys/values are in the cache
+    finish_reason: str | None = None
+    text: str = ""               # output text handed out so far
+    generator: torch.Generator | None = None
+    arrival: int = field(default_factory=lambda: next(_counter))
+
+    def __post_init__(self):
+        self.prompt_len = len(self.token_ids)
+        if not self.request_id:
+            self.request_id = f"req-{self.arrival}"
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return len(self.token_ids) - self.computed
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def image_key(self, begin: int, end: int) -> tuple:
+        """What, besides token ids, identifies the contents of positions [begin, end)."""
+        return tuple((image.digest, image.start - begin) for image in self.images if image.overlaps(begin, end))
