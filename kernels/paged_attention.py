@@ -42,6 +42,12 @@ except ImportError:
 PARTITION = 512
 BLOCK_N = 64
 
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 inputs (Triton would use TF32); half types use tensor cores as is."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 if triton is not None:
 
     @triton.jit
@@ -50,7 +56,7 @@ if triton is not None:
                              stride_vb, stride_vs, stride_vh, stride_tb,
                              GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              PARTITION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         """One (sequence, KV head, partition): all GROUP query heads of that KV head at once, so each
         key and value is loaded once. Writes the partition's unnormalised output, sum and max (base 2)."""
         seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -77,13 +83,13 @@ if triton is not None:
                         + d[None, :], mask=tile_mask, other=0.0)
             v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
                         + d[None, :], mask=tile_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(seen[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         stat = (seq * tl.num_programs(1) * GROUP + heads) * num_parts + part  # [B, H, parts]
         tl.store(m_ptr + stat, m_i, mask=g < GROUP)
@@ -109,7 +115,7 @@ if triton is not None:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
             GROUP=group, DIM=dim, BLOCK_SIZE=block_size, PARTITION=PARTITION,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-            BLOCK_N=BLOCK_N)
+            BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype))
         # Merge partitions: rescale each to the common max; empty ones (m = -inf) weigh nothing.
         weight = torch.exp2(m - m.amax(-1, keepdim=True))
         out = (acc * weight[..., None]).sum(2) / (l * weight).sum(2)[..., None]

@@ -49,12 +49,19 @@ except ImportError:
 BLOCK_ROWS = 128
 BLOCK_N = 64
 
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 inputs (Triton would use TF32); half types use tensor cores as is."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 if triton is not None:
 
     @triton.jit
     def _attend_tile(q, q_pos, q_span, m_i, l_i, acc, k_ptr, v_ptr, spans_ptr, k0, lk, kv_head, start, qk_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     DIM: tl.constexpr, HAS_SPANS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DIM: tl.constexpr, HAS_SPANS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr):
         """One online-softmax step over keys [start, start + BLOCK_N) of the sequence."""
         pos = start + tl.arange(0, BLOCK_N)
         d = tl.arange(0, BLOCK_D)
@@ -68,21 +75,22 @@ if triton is not None:
             k_span = tl.load(spans_ptr + k0 + pos, mask=in_seq, other=-1)
             allowed = allowed | ((q_span[:, None] == k_span[None, :]) & (k_span[None, :] >= 0))
         allowed = allowed & in_seq[None, :]
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(allowed, s, float("-inf"))
         # A row may see nothing in a tile past its causal end; m_i is already finite by then.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
     @triton.jit
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, spans_ptr, qk_scale,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                         GROUP: tl.constexpr, DIM: tl.constexpr, HAS_SPANS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
         """One (query block, sequence, KV head). Row r is query r // BLOCK_G of the block and query head
         r % BLOCK_G of the KV head's group, so every key tile is loaded once for the whole group."""
         block, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -100,7 +108,8 @@ if triton is not None:
         row_mask = real[:, None] & (d < DIM)[None, :]
         token = (q0 + i).to(tl.int64)
         head = kv_head * GROUP + g
-        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_mask, other=0.0)
         q_pos = lk - lq + i  # queries are the sequence's last positions
         q_span = tl.full([BLOCK_M * BLOCK_G], -1, tl.int32)
         if HAS_SPANS:
@@ -113,7 +122,7 @@ if triton is not None:
         for start in range(0, causal_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, q_pos, q_span, m_i, l_i, acc, k_ptr, v_ptr, spans_ptr, k0, lk, kv_head,
                                          start, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-                                         DIM, HAS_SPANS, BLOCK_D, BLOCK_N)
+                                         DIM, HAS_SPANS, BLOCK_D, BLOCK_N, PRECISION)
         if HAS_SPANS:
             # Later keys of a query's own image are visible too: visit the tiles past the causal end
             # that hold one (a tile's spans are cheap to read next to its keys and values).
@@ -124,7 +133,7 @@ if triton is not None:
                 if tl.max(shared.to(tl.int32)) > 0:
                     m_i, l_i, acc = _attend_tile(q, q_pos, q_span, m_i, l_i, acc, k_ptr, v_ptr, spans_ptr, k0, lk,
                                                  kv_head, start, qk_scale, stride_kt, stride_kh, stride_vt,
-                                                 stride_vh, DIM, HAS_SPANS, BLOCK_D, BLOCK_N)
+                                                 stride_vh, DIM, HAS_SPANS, BLOCK_D, BLOCK_N, PRECISION)
         out = acc / l_i[:, None]
         tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_mask)
@@ -146,5 +155,5 @@ if triton is not None:
             q, k, v, out, cu_seqlens_q, cu_seqlens_k, spans_arg, scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             GROUP=group, DIM=dim, HAS_SPANS=spans is not None, BLOCK_M=block_m, BLOCK_G=block_g,
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=BLOCK_N)
+            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype))
         return out

@@ -87,13 +87,20 @@ except ImportError:
 INDEXER_BLOCK_N = 64
 SPARSE_BLOCK_N = 64
 
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 inputs (Triton would use TF32); half types use tensor cores as is."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 if triton is not None:
 
     @triton.jit
     def _indexer_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, visible_ptr, out_ptr, scale, width,
                         stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_tt, stride_ot,
                         HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
         """One (row, key tile): every indexer head against the tile's keys, ReLU, weighted head sum."""
         row, tile = tl.program_id(0), tl.program_id(1)
         visible = tl.load(visible_ptr + row)
@@ -108,7 +115,7 @@ if triton is not None:
         page = tl.maximum(page, 0).to(tl.int64)
         keys = tl.load(k_ptr + page[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + d[None, :],
                        mask=seen[:, None] & (d < DIM)[None, :], other=0.0)
-        logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [heads, keys] fp32
+        logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [heads, keys] fp32
         scores = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
         tl.store(out_ptr + row * stride_ot + pos, tl.where(seen, scores, float("-inf")), mask=pos < width)
 
@@ -117,7 +124,8 @@ if triton is not None:
         """Triton version of indexer_scores_reference."""
         rows, heads, dim = index_q.shape
         assert index_k_cache.stride(-1) == 1, "the index-key cache needs contiguous index_dim"
-        index_q, index_weights, block_tables = index_q.contiguous(), index_weights.contiguous(), block_tables.contiguous()
+        index_q, index_weights = index_q.contiguous(), index_weights.contiguous()
+        block_tables = block_tables.contiguous()
         width = int(visible.max())  # the output's width: one host sync
         out = torch.empty(rows, width, dtype=torch.float32, device=index_q.device)
         grid = (rows, triton.cdiv(width, INDEXER_BLOCK_N))
@@ -126,7 +134,8 @@ if triton is not None:
             index_q.stride(0), index_q.stride(1), index_weights.stride(0), index_k_cache.stride(0),
             index_k_cache.stride(1), block_tables.stride(0), out.stride(0),
             HEADS=heads, DIM=dim, BLOCK_SIZE=index_k_cache.shape[1], BLOCK_H=max(16, triton.next_power_of_2(heads)),
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=INDEXER_BLOCK_N)
+            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=INDEXER_BLOCK_N,
+            PRECISION=dot_precision(index_q.dtype))
         return out
 
     @triton.jit
@@ -134,7 +143,8 @@ if triton is not None:
                        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        stride_tt, stride_it, stride_ot, stride_oh,
                        GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
         """One (row, KV head): the GROUP query heads over the row's selected keys, online softmax."""
         row, kv_head = tl.program_id(0), tl.program_id(1)
         g = tl.arange(0, BLOCK_G)
@@ -157,7 +167,7 @@ if triton is not None:
                         + d[None, :], mask=tile_mask, other=0.0)
             v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
                         + d[None, :], mask=tile_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(chosen[None, :], s, float("-inf"))
             # -1 entries may fill a whole tile: subtract 0 instead of -inf so nothing turns NaN.
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -165,7 +175,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that selected nothing reads zeros
         tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -186,5 +196,5 @@ if triton is not None:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), indices.stride(0),
             out.stride(0), out.stride(1),
             GROUP=group, DIM=dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=SPARSE_BLOCK_N)
+            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=SPARSE_BLOCK_N, PRECISION=dot_precision(q.dtype))
         return out
