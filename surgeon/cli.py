@@ -75,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true")
     p.set_defaults(handler=_push)
 
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", help="export folder, Hugging Face folder or alias")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="requests that may wait beyond those running; more get 503 (default 256)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on a GPU, float32 on a CPU")
+    p.set_defaults(handler=_serve)
+
     p = sub.add_parser("models", help="list model aliases and whether each is installed")
     p.set_defaults(handler=_models)
     return parser
@@ -121,6 +134,15 @@ def _push(args) -> None:
     from .export import push_folder
 
     print(push_folder(args.folder, args.repo_id, args.private))
+
+
+def _serve(args) -> None:
+    from .engine.server import ServerLimits, serve
+
+    serve(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs, max_pending=args.max_pending,
+          limits=ServerLimits(request_timeout=args.timeout),
+          log_level="debug" if args.debug else "warning" if args.quiet else "info",
+          device=args.device, dtype=args.dtype)
 
 
 def _models(args) -> None:
