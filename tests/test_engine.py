@@ -4,6 +4,8 @@ VLM exports too. Plus sampling, stop strings, the loop detector, aborts and bad 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
@@ -14,7 +16,7 @@ from surgeon.engine.stopping import repeating_period
 from surgeon.errors import SourceError
 from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonSparseLlamaForCausalLM
 
-from conftest import tiny_config
+from conftest import requires_smollm2, tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, loop_window=0)
 
@@ -199,3 +201,37 @@ def test_vlm_export_matches_transformers_and_repeated_images_are_free(tmp_path, 
     assert again == expected[0]
     assert llm.vision.encoded == encoded  # neither re-encoded...
     assert llm.blocks.hits - hits >= model.config.image_seq_length  # ...nor re-prefilled
+
+
+@pytest.mark.real_model
+@requires_smollm2
+def test_real_smollm2_chats_equal_transformers_generate():
+    from surgeon.sources import resolve_source
+
+    llm = LLM("smollm2-135m-instruct", kv_cache_tokens=2048)
+    source = resolve_source("smollm2-135m-instruct", Path.cwd())
+    hf = source.load_model()
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primes."]
+    chats = [[{"role": "user", "content": question}] for question in questions]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0)
+    got = [out.token_ids for out in llm.generate(chats, params)]
+    want = [hf_greedy(hf, llm.encode(chat)[0], 24) for chat in chats]
+    assert got == want
+    assert "Paris" in llm.tokenizer.decode(got[0])
+
+
+def test_int8_weights_stay_close_to_full_precision(tiny_llama):
+    from surgeon.engine.quantize import Int8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=True)
+    x = torch.randn(5, 64)
+    error = (Int8Linear.from_linear(linear)(x) - linear(x)).norm() / linear(x).norm()
+    assert error < 0.01
+    full, quantized = LLM(str(tiny_llama)), LLM(str(tiny_llama), quantize="int8")
+    assert isinstance(quantized.model.layers[0].mlp.down, Int8Linear)
+    batch = prompts(6)
+    same = sum(a[:4] == b[:4] for a, b in zip(engine_tokens(full, batch), engine_tokens(quantized, batch)))
+    assert same >= 4  # the first tokens of most prompts survive int8
+    with pytest.raises(ValueError, match="quantize"):
+        LLM(str(tiny_llama), quantize="int4")

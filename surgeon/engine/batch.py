@@ -22,3 +22,6 @@ class StepBatch:
     cu_seqlens_k: torch.Tensor | None = None
     context_slots: torch.Tensor | None = None  # [Tk] long, cache slots of every key of every sequence
     spans: torch.Tensor | None = None          # [Tk] int32 image ids for bidirectional image attention
+    # Decode off CUDA: every sequence's key slots, padded, and which are real (one gather per layer).
+    key_slots: torch.Tensor | None = None      # [B, S] long
+    key_mask: torch.Tensor | None = None       # [B, 1, 1, S] bool

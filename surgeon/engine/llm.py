@@ -17,6 +17,7 @@ import torch
 
 from .block_manager import BlockManager
 from .loader import load
+from .quantize import quantize_int8
 from .runner import ModelRunner
 from .sampler import sample
 from .sampling import SamplingParams
@@ -46,15 +47,28 @@ class Completion:
     prompt_tokens: int
 
 
+def _text_only(message: dict) -> dict:
+    """A message whose content is text parts (as OpenAI clients often send it) as one string."""
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
+            raise ValueError("a text-only model takes text content parts only")
+        content = "".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        raise ValueError("a message's content is a string or a list of text parts")
+    return {**message, "content": content}
+
+
 class LLM:
     """`path`: a surgeon export, a Hugging Face folder of a supported family, or a surgeon alias.
-    `kv_cache_tokens`: positions the paged cache holds over all sequences (default: 1 GiB worth on
+    `quantize="int8"`: int8 weights on a CPU (faster decoding, outputs close to but not identical
+    to the full-precision model's). `kv_cache_tokens`: positions the paged cache holds over all sequences (default: 1 GiB worth on
     a CPU, 60% of free memory on a GPU). `max_batched_tokens`: the prefill chunk budget per step."""
 
     def __init__(self, path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
                  max_num_seqs: int = 16, max_batched_tokens: int = 512, block_size: int = 16,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True,
-                 trust_remote_code: bool = False):
+                 quantize: str | None = None, trust_remote_code: bool = False):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -62,6 +76,12 @@ class LLM:
         loaded = load(str(path), self.device, self.dtype, trust_remote_code)
         self.model, self.tokenizer, self.vision = loaded.model, loaded.tokenizer, loaded.vision
         self.model_name = loaded.name
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+        if quantize == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("quantize='int8' is a CPU decoding path; on a GPU use dtype='bfloat16'")
+            quantize_int8(self.model)
         per_token = ModelRunner.cache_bytes_per_token(self.model, self.dtype)
         if kv_cache_tokens is None:
             kv_cache_tokens = self._default_cache_tokens(per_token)
@@ -80,6 +100,10 @@ class LLM:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.6) // per_token
         return (1 << 30) // per_token
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
 
     @property
     def is_vlm(self) -> bool:
@@ -116,10 +140,7 @@ class LLM:
         try:
             if self.is_vlm:
                 return self.vision.processor.prompt(messages, images)["input_ids"][0].tolist()
-            for message in messages:
-                if not isinstance(message.get("content"), str):
-                    raise ValueError("a text-only model takes string message contents")
-            return chat_ids(self.tokenizer, messages, generation_prompt=True)
+            return chat_ids(self.tokenizer, [_text_only(message) for message in messages], generation_prompt=True)
         except DataError as exc:
             raise ValueError(str(exc)) from None
 

@@ -118,7 +118,7 @@ class EngineLoop:
 
     def __init__(self, llm, max_pending: int = 256):
         self.llm = llm
-        self.capacity = llm.scheduler.max_num_seqs + max_pending
+        self.capacity = llm.max_num_seqs + max_pending
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, RequestHandle] = {}  # engine thread only
         self._count = 0  # admitted and not finished; guarded by _lock

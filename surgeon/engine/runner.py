@@ -40,6 +40,15 @@ class ModelRunner:
     def _slot(self, seq, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
+    def _key_slots(self, tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, S] cache slots of positions 0..S-1 of each sequence, and [B, 1, 1, S] which exist."""
+        longest = int(lengths.max())
+        blocks = -(-longest // self.block_size)
+        rows = torch.arange(self.block_size, device=tables.device)
+        slots = (tables[:, :blocks].long().clamp_min(0)[:, :, None] * self.block_size + rows).flatten(1)[:, :longest]
+        mask = torch.arange(longest, device=tables.device)[None, :] < lengths[:, None]
+        return slots, mask[:, None, None]
+
     @torch.inference_mode()
     def run(self, step: Scheduled) -> torch.Tensor:
         """Logits [R, vocab] fp32 for the sequences whose step reaches their last token, in order."""
@@ -72,6 +81,8 @@ class ModelRunner:
         if step.prefill:
             batch.cu_seqlens_q, batch.cu_seqlens_k = tensor(cu_q, torch.int32), tensor(cu_k, torch.int32)
             batch.context_slots = tensor(context_slots)
+        elif device.type != "cuda":
+            batch.key_slots, batch.key_mask = self._key_slots(batch.block_tables, batch.context_lens)
         return self.model(self._embed(step, ids), batch)
 
     def _embed(self, step: Scheduled, ids: list[int]) -> torch.Tensor:

@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = getattr(source, "variance_epsilon", getattr(source, "eps", 1e-6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # As transformers does it: normalise in fp32, scale in the weights' dtype.
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -40,11 +42,17 @@ def _fused(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama rotary on [T, heads, D] with cos/sin [T, D] (halves paired)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, D] cos/sin -> [T, 1, D] tables for `rotate`, the sign of rotate-half folded into sin
+    (once per step, not once per layer)."""
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Llama rotary on [T, heads, D] (halves paired): x cos + rotate_half(x) sin, the same
+    products transformers computes."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -65,14 +73,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                     self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(tokens, self.heads, self.head_dim)
-        k = k.view(tokens, self.kv_heads, self.head_dim)
-        v = v.view(tokens, self.kv_heads, self.head_dim)
+        qkv = self.qkv(x).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk, v = qkv[:, :self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])], dim=1)
+        qk = rotate(qk, cos, sin)  # queries and keys in one pass: fewer small ops per layer
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
         self.k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slots, k)
         self.v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slots, v)
         if self.indexer is None:
@@ -143,9 +149,9 @@ class LlamaEngineModel(nn.Module):
     def forward(self, embeds: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """embeds [T, hidden] -> logits [len(batch.logit_rows), vocab] in fp32."""
         cos, sin = self.rotary(embeds[None], batch.positions[None])
-        cos, sin = cos[0], sin[0]
+        cos, sin = rotary_tables(cos[0], sin[0])
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, batch)
         x = self.norm(x[batch.logit_rows])
-        return F.linear(x, self.lm_head.weight).float()
+        return self.lm_head(x).float()
