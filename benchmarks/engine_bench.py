@@ -74,10 +74,12 @@ def section_decode(args, state) -> None:
     llm, hf = state["dense"], state["hf"]
     ids = text_tokens(llm.tokenizer, 128)
     engines = {"engine fp32": llm, "engine bf16": LLM(args.dense, dtype="bfloat16"),
-               "engine int8": LLM(args.dense, quantize="int8")}
+               "engine fp32 compiled": LLM(args.dense, compile=True),
+               "engine int8": LLM(args.dense, quantize="int8"),
+               "engine int8 compiled": LLM(args.dense, quantize="int8", compile=True)}
     runs = {"transformers": [], **{name: [] for name in engines}}
     hf_generate(hf, ids, 8)  # warm-up
-    for engine in engines.values():
+    for engine in engines.values():  # warm-up (and torch.compile's one-time compile)
         engine.generate([ids], params(8))
     for _ in range(args.repeats):
         runs["transformers"].append(128 / timed(lambda: hf_generate(hf, ids, 128)))
@@ -88,7 +90,7 @@ def section_decode(args, state) -> None:
     print(f"decode, batch 1, 128 prompt + 128 new tokens (median of {args.repeats}, tokens/s incl. prefill):")
     for name, values in runs.items():
         rate = statistics.median(values)
-        print(f"  {name:<14} {rate:7.1f} tokens/s   {rate / base:5.2f}x transformers generate (fp32)")
+        print(f"  {name:<21} {rate:7.1f} tokens/s   {rate / base:5.2f}x transformers generate (fp32)")
 
 
 def section_batch(args, state) -> None:
@@ -166,6 +168,9 @@ def section_exact(args, state) -> None:
         same = sum(g == w for g, w in zip(got, want))
         print(f"greedy tokens equal to transformers generate ({label}, {args.exact_tokens} new tokens): {same}/20")
         if label == "dense":
+            compiled = LLM(path, compile=True)
+            fused = [out.token_ids for out in compiled.generate(prompts, params(args.exact_tokens))]
+            print(f"  fp32 compiled: {sum(f == w for f, w in zip(fused, want))}/20 identical")
             quantized = LLM(path, quantize="int8")
             close = [out.token_ids for out in quantized.generate(prompts, params(args.exact_tokens))]
             agree = [next((i for i, (a, b) in enumerate(zip(c, w)) if a != b), len(w)) for c, w in zip(close, want)]

@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--quantize", choices=["int8"],
                    help="int8 weights on a CPU: faster decoding, outputs close to (not identical with) full precision")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step: faster decoding after a one-time compile")
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser("models", help="list model aliases and whether each is installed")
@@ -144,7 +146,7 @@ def _serve(args) -> None:
     serve(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs, max_pending=args.max_pending,
           limits=ServerLimits(request_timeout=args.timeout),
           log_level="debug" if args.debug else "warning" if args.quiet else "info",
-          device=args.device, dtype=args.dtype, quantize=args.quantize)
+          device=args.device, dtype=args.dtype, quantize=args.quantize, compile=args.compile)
 
 
 def _models(args) -> None:

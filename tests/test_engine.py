@@ -235,3 +235,11 @@ def test_int8_weights_stay_close_to_full_precision(tiny_llama):
     assert same >= 4  # the first tokens of most prompts survive int8
     with pytest.raises(ValueError, match="quantize"):
         LLM(str(tiny_llama), quantize="int4")
+
+
+def test_compiled_decoding_gives_the_same_tokens(tiny_llama):
+    batch = prompts(3)
+    eager = engine_tokens(LLM(str(tiny_llama)), batch)
+    compiled = LLM(str(tiny_llama), compile=True)
+    assert engine_tokens(compiled, batch) == eager
+    assert engine_tokens(compiled, batch[:1]) == eager[:1]  # batch 1 is a shape of its own

@@ -62,13 +62,14 @@ def _text_only(message: dict) -> dict:
 class LLM:
     """`path`: a surgeon export, a Hugging Face folder of a supported family, or a surgeon alias.
     `quantize="int8"`: int8 weights on a CPU (faster decoding, outputs close to but not identical
-    to the full-precision model's). `kv_cache_tokens`: positions the paged cache holds over all sequences (default: 1 GiB worth on
+    to the full-precision model's). `compile=True`: decode steps through torch.compile (the first
+    steps of each batch shape compile, ~30-60 s on 2 CPU cores). `kv_cache_tokens`: positions the paged cache holds over all sequences (default: 1 GiB worth on
     a CPU, 60% of free memory on a GPU). `max_batched_tokens`: the prefill chunk budget per step."""
 
     def __init__(self, path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
                  max_num_seqs: int = 16, max_batched_tokens: int = 512, block_size: int = 16,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True,
-                 quantize: str | None = None, trust_remote_code: bool = False):
+                 quantize: str | None = None, compile: bool = False, trust_remote_code: bool = False):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -89,7 +90,7 @@ class LLM:
         self.max_model_len = min(num_blocks * block_size, self.model.config.max_position_embeddings)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batched_tokens)
-        self.runner = ModelRunner(self.model, self.vision, num_blocks, block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.vision, num_blocks, block_size, self.device, self.dtype, compile)
         self.stopper = Stopper(self.tokenizer, loaded.eos_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         log.info("engine: %s on %s (%s), KV cache %d tokens in blocks of %d", self.model_name, self.device,

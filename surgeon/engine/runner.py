@@ -12,8 +12,11 @@ from .vision import VisionEncoder
 
 class ModelRunner:
     def __init__(self, model: LlamaEngineModel, vision: VisionEncoder | None, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, compile: bool = False):
         self.model, self.vision = model, vision
+        # Decode steps are many and alike: compiled, their small ops fuse and the per-op overhead
+        # that dominates a CPU decode step goes. Prefill steps vary in shape and stay eager.
+        self.decode_forward = torch.compile(model.forward, dynamic=True) if compile else model.forward
         self.block_size, self.device = block_size, device
         config = model.config
         for index, layer in enumerate(model.layers):
@@ -83,7 +86,8 @@ class ModelRunner:
             batch.context_slots = tensor(context_slots)
         elif device.type != "cuda":
             batch.key_slots, batch.key_mask = self._key_slots(batch.block_tables, batch.context_lens)
-        return self.model(self._embed(step, ids), batch)
+        forward = self.model if step.prefill else self.decode_forward
+        return forward(self._embed(step, ids), batch)
 
     def _embed(self, step: Scheduled, ids: list[int]) -> torch.Tensor:
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
