@@ -203,6 +203,30 @@ def test_vlm_export_matches_transformers_and_repeated_images_are_free(tmp_path, 
     assert llm.blocks.hits - hits >= model.config.image_seq_length  # ...nor re-prefilled
 
 
+
+def test_llava_layout_export_matches_transformers(tmp_path, tokenizer_dir):
+    from transformers import LlavaForConditionalGeneration
+
+    from surgeon.vision.export import hf_processor, to_llava
+    from surgeon.vision.graft import image_chat_template
+
+    vlm, tokenizer = _tiny_vlm_export(tmp_path / "surgeon", tokenizer_dir)
+    tokenizer.chat_template = image_chat_template(tokenizer.chat_template, vlm.config.image_token)
+    to_llava(vlm).save_pretrained(tmp_path / "llava")
+    llava = LlavaForConditionalGeneration.from_pretrained(tmp_path / "llava", dtype=torch.float32).eval()
+    processor = hf_processor(vlm.config, tokenizer)
+    processor.save_pretrained(tmp_path / "llava")
+    image = Image.new("RGB", (40, 40), (30, 200, 60))
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
+    inputs = processor(images=[image], text=processor.apply_chat_template(chat, add_generation_prompt=True),
+                       return_tensors="pt")
+    llava.generation_config.eos_token_id = None
+    want = llava.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    llm = LLM(str(tmp_path / "llava"), block_size=4)
+    assert llm.is_vlm
+    assert llm.generate([chat], GREEDY, images=[[image]])[0].token_ids == want[0, inputs["input_ids"].shape[1]:].tolist()
+
+
 @pytest.mark.real_model
 @requires_smollm2
 def test_real_smollm2_chats_equal_transformers_generate():

@@ -117,22 +117,26 @@ class LLM:
         images = list(images or [])
         if images and not self.is_vlm:
             raise ValueError(f"{self.model_name} is a text-only model; it cannot take images")
+        spans = []
         if isinstance(prompt, str):
             if images:
                 raise ValueError("images need chat messages with image parts, not a plain text prompt")
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+            if images:
+                raise ValueError("images need chat messages with image parts, not token ids")
             ids = list(prompt)
         elif isinstance(prompt, list) and all(isinstance(message, dict) for message in prompt):
-            ids = self._chat_ids(prompt, images)
+            ids, spans = self._chat(prompt, images)
         else:
             raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
         if not ids:
             raise ValueError("the prompt is empty")
-        spans = self.vision.spans(ids, images) if self.is_vlm else []
+        if self.is_vlm and not spans and self.vision.image_token_id in ids:
+            raise ValueError("the prompt holds image placeholder tokens but no images were given")
         return ids, spans
 
-    def _chat_ids(self, messages: list[dict], images: list) -> list[int]:
+    def _chat(self, messages: list[dict], images: list) -> tuple[list[int], list]:
         from ..errors import DataError
         from ..training.data import chat_ids
 
@@ -140,8 +144,8 @@ class LLM:
             raise ValueError(f"{self.model_name} has no chat template; send a plain text prompt")
         try:
             if self.is_vlm:
-                return self.vision.processor.prompt(messages, images)["input_ids"][0].tolist()
-            return chat_ids(self.tokenizer, [_text_only(message) for message in messages], generation_prompt=True)
+                return self.vision.encode(messages, images)
+            return chat_ids(self.tokenizer, [_text_only(message) for message in messages], generation_prompt=True), []
         except DataError as exc:
             raise ValueError(str(exc)) from None
 

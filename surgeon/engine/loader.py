@@ -1,6 +1,7 @@
 """A checkpoint -> the engine's model, tokenizer, stop tokens and (for a VLM) vision encoder.
 
-Accepts what `surgeon run` exports (dense, fewer KV heads, sparse attention, VLM), Hugging Face
+Accepts what `surgeon run` exports (dense, fewer KV heads, sparse attention, VLMs in surgeon's
+class or the LLaVA layout), Hugging Face
 folders of the supported families, and surgeon's aliases (e.g. smollm2-135m-instruct). transformers
 reads the weights (safetensors only); the engine then builds its own modules around them.
 """
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from ..errors import SourceError
 from .models.llama import FAMILIES, LlamaEngineModel
-from .vision import VisionEncoder
+from .vision import LlavaFront, SurgeonVLMFront, VisionEncoder
 
 
 @dataclass
@@ -58,6 +60,8 @@ def load(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code:
     path = Path(spec).expanduser()
     if path.is_dir() and _model_type(path) == "surgeon_vlm":
         return _load_vlm(path, device, dtype)
+    if path.is_dir() and _model_type(path) == "llava":
+        return _load_llava(path, device, dtype)
     source = resolve_source(spec, Path.cwd(), trust_remote_code=trust_remote_code)
     config = source.config if source.kind != "folder" else None
     if config is not None:
@@ -73,8 +77,6 @@ def load(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code:
 def _load_vlm(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded:
     from transformers import AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
-    from ..vision.graft import processor_for
-
     try:
         vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -86,6 +88,25 @@ def _load_vlm(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded:
         generation = GenerationConfig.from_pretrained(path)
     except OSError:
         generation = None
-    vision = VisionEncoder(vlm, processor_for(vlm, tokenizer), device)
+    vision = VisionEncoder(SurgeonVLMFront(vlm, tokenizer), device)
     eos = _eos_ids(tokenizer, generation, vlm.config.text_config)
     return Loaded(LlamaEngineModel(vlm.language_model).eval(), tokenizer, vision, eos, path.name)
+
+
+def _load_llava(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded:
+    """A LLaVA-layout export (or any LLaVA checkpoint whose LM is of a supported family)."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    try:
+        llava = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"'{path}': cannot load the LLaVA model: {exc}") from None
+    llava = llava.to(device).eval()
+    text_config = llava.config.text_config
+    _check_family(text_config, f"'{path}' (its language model)")
+    # The engine's Llama reads `.config`, `.model` (embeddings, layers, norm, rotary) and `.lm_head`.
+    causal_lm = SimpleNamespace(config=text_config, model=llava.model.language_model, lm_head=llava.lm_head)
+    vision = VisionEncoder(LlavaFront(llava, processor), device)
+    eos = _eos_ids(processor.tokenizer, llava.generation_config, text_config)
+    return Loaded(LlamaEngineModel(causal_lm).eval(), processor.tokenizer, vision, eos, path.name)

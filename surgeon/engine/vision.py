@@ -1,7 +1,13 @@
-"""Images for a grafted VLM: pixels, a content digest, and the projected image tokens, encoded once.
+"""Images for a VLM export: chat + images -> token ids with placeholder runs and pixels, and the
+projected image tokens, each image encoded once.
 
-The digest hashes the preprocessed pixels, so the same picture sent twice (even re-encoded as a
-different file) is recognised: the prefix cache reuses its keys, and this encoder's small LRU cache
+Two kinds of export: surgeon's own VLM class (a timm or transformers tower, any projector) and the
+LLaVA layout (CLIP/SigLIP + mlp2x_gelu, saved as LlavaForConditionalGeneration). Each has a small
+front end that knows its processor and its feature call; the rest of the engine sees only ids,
+placeholder spans and [tokens, hidden] features.
+
+A span's digest hashes its preprocessed pixels, so the same picture sent twice (even re-encoded as
+a different file) is recognised: the prefix cache reuses its keys, and the small LRU cache here
 skips the tower when only the text before the image changed.
 """
 
@@ -15,27 +21,61 @@ import torch
 from .sequence import ImageSpan
 
 
+class SurgeonVLMFront:
+    def __init__(self, vlm, tokenizer):
+        from ..vision.graft import processor_for
+
+        self.vlm, self.processor = vlm, processor_for(vlm, tokenizer)
+        self.image_token_id = self.processor.image_token_id
+        self.tokens_per_image = self.processor.image_seq_length
+
+    def encode(self, messages: list[dict], images: list) -> tuple[list[int], torch.Tensor]:
+        inputs = self.processor.prompt(messages, images)
+        pixels = inputs["pixel_values"]
+        return inputs["input_ids"][0].tolist(), pixels if pixels is not None else torch.empty(0)
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.vlm.image_features(pixels)
+
+
+class LlavaFront:
+    def __init__(self, llava, processor):
+        self.llava, self.processor = llava, processor
+        self.image_token_id = llava.config.image_token_id
+        self.tokens_per_image = llava.config.image_seq_length
+
+    def encode(self, messages: list[dict], images: list) -> tuple[list[int], torch.Tensor]:
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = self.processor(text=text, images=images or None, return_tensors="pt")
+        pixels = inputs.get("pixel_values")
+        return inputs["input_ids"][0].tolist(), pixels if pixels is not None else torch.empty(0)
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.llava.model.multi_modal_projector.parameters()).dtype
+        return torch.stack(self.llava.model.get_image_features(pixel_values=pixels.to(dtype)).pooler_output)
+
+
 class VisionEncoder:
-    def __init__(self, vlm, processor, device: torch.device, cached_images: int = 32):
-        self.vlm, self.processor, self.device = vlm, processor, device
-        self.image_token_id = processor.image_token_id
-        self.tokens_per_image = processor.image_seq_length
+    def __init__(self, front, device: torch.device, cached_images: int = 32):
+        self.front, self.device = front, device
+        self.image_token_id = front.image_token_id
+        self.tokens_per_image = front.tokens_per_image
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cached_images = cached_images
         self.encoded = 0  # images run through the tower (tests and benchmarks read it)
 
-    def spans(self, ids: list[int], images: list) -> list[ImageSpan]:
-        """One span per run of placeholders, in order, each with its image's pixels and digest."""
+    def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[ImageSpan]]:
+        """Token ids of a chat and one span per image, in order, with its pixels and digest."""
+        ids, pixels = self.front.encode(messages, images)
         starts = [i for i, token in enumerate(ids)
                   if token == self.image_token_id and (i == 0 or ids[i - 1] != self.image_token_id)]
         if len(starts) != len(images):
-            raise ValueError(f"{len(starts)} image placeholders in the prompt but {len(images)} images")
+            raise ValueError(f"{len(starts)} image placeholder runs in the prompt but {len(images)} images")
         spans = []
-        for start, image in zip(starts, images):
-            pixels = self.processor.transform(image)
-            digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
-            spans.append(ImageSpan(start, self.tokens_per_image, digest, pixels))
-        return spans
+        for start, image_pixels in zip(starts, pixels):
+            digest = hashlib.sha256(image_pixels.float().numpy().tobytes()).hexdigest()
+            spans.append(ImageSpan(start, self.tokens_per_image, digest, image_pixels))
+        return ids, spans
 
     @torch.inference_mode()
     def features(self, span: ImageSpan) -> torch.Tensor:
@@ -44,8 +84,7 @@ class VisionEncoder:
         if hit is not None:
             self.cache.move_to_end(span.digest)
             return hit
-        pixels = span.pixels[None].to(self.device)
-        found = self.vlm.image_features(pixels)[0]
+        found = self.front.features(span.pixels[None].to(self.device))[0]
         self.encoded += 1
         self.cache[span.digest] = found
         if len(self.cache) > self.cached_images:
