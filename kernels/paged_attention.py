@@ -32,21 +32,13 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     return out[:, :, 0]
 
 
-try:  # the package imports without triton; the engine then uses the reference
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from .common import dot_precision, tl, triton
 
 # Keys per partition (flash-decoding split) and per tile. Partitions let a few long sequences fill
 # the GPU; their count comes from the block table's width, so a launch never waits on the host.
 PARTITION = 512
 BLOCK_N = 64
 
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """Full fp32 products for fp32 inputs (Triton would use TF32); half types use tensor cores as is."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 if triton is not None:

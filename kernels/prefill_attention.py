@@ -39,20 +39,12 @@ def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out
 
 
-try:  # the package imports without triton; the engine then uses the reference
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from .common import dot_precision, tl, triton
 
 # Rows per program (queries x the query heads of one KV head) and keys per tile.
 BLOCK_ROWS = 128
 BLOCK_N = 64
 
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """Full fp32 products for fp32 inputs (Triton would use TF32); half types use tensor cores as is."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 if triton is not None:

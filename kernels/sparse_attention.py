@@ -77,20 +77,12 @@ def sparse_paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     return torch.einsum("tkgs,tskd->tkgd", probs, v).reshape(rows, heads, dim).to(q.dtype)
 
 
-try:  # the package imports without triton; the engine then uses the references
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from .common import dot_precision, tl, triton
 
 # Keys per tile, for the indexer's scores and for the attention over selected keys.
 INDEXER_BLOCK_N = 64
 SPARSE_BLOCK_N = 64
 
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """Full fp32 products for fp32 inputs (Triton would use TF32); half types use tensor cores as is."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 if triton is not None:
