@@ -197,7 +197,14 @@ class LLM:
         """Run every prompt to completion (batched continuously); results in the prompts' order."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         images = images or [None] * len(prompts)
-        order = [self.add_request(prompt, p, imgs) for prompt, p, imgs in zip(prompts, params, images)]
+        order = []
+        try:
+            for prompt, p, imgs in zip(prompts, params, images):
+                order.append(self.add_request(prompt, p, imgs))
+        except ValueError:
+            for rid in order:  # all or nothing: no half of a batch left running
+                self.abort(rid)
+            raise
         results: dict[str, Completion] = {}
         gathered: dict[str, tuple[list[str], list[int]]] = {rid: ([], []) for rid in order}
         while self.has_unfinished():
