@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import yaml
 
+from .analysis.card_plots import CARD_PREFIXES
 from .metrics import METRIC_NAMES
 
 _TAGS_BY_OP = {"drop_layers": "layer-pruning", "stack": "passthrough", "heal": "distillation", "evaluate": None,
@@ -76,7 +77,14 @@ def render_card(report: dict, recipe_text: str, plots: list[str] = ()) -> str:
     vision_stages = [s for s in report["stages"] if s.get("kind") == "vision"]
     if vision_stages:
         lines += _vision_section(vision_stages)
-    lines += [f"![{name.removesuffix('.png')}]({name})\n" for name in plots]
+    analysis = [name for name in plots if name.startswith(CARD_PREFIXES)]
+    if analysis:
+        lines += ["## Layer analysis", "",
+                  "What the steps measured on their calibration text, drawn as `surgeon analyze` draws it"
+                  + (" (shaded: the removed block's start; circled: the removed layers)."
+                     if any(n.startswith("angular") for n in analysis) else "."), ""]
+        lines += [f"![{name.removesuffix('.png')}]({name})\n" for name in analysis]
+    lines += [f"![{name.removesuffix('.png')}]({name})\n" for name in plots if name not in analysis]
     for entry in report["provenance"]:
         if entry["op"] == "heal":
             lines += _healing_section(entry)

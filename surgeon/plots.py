@@ -17,6 +17,9 @@ def report_plots(report: dict) -> dict[str, bytes]:
     for number, entry in enumerate(report["provenance"], start=1):
         if entry["op"] == "heal" and entry["details"].get("curve"):
             plots[f"healing-{number}.png"] = _healing_curve(entry)
+    from .analysis.card_plots import provenance_plots  # here, not on top: analysis draws with this module
+
+    plots.update(provenance_plots(report))  # the `surgeon analyze` plots of what the steps measured
     kl_stages = [s for s in report["stages"] if s.get("kind", "kl") == "kl"]
     if kl_stages:
         plots["kl-by-stage.png"] = _stages(kl_stages)

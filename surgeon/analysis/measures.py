@@ -1,0 +1,149 @@
+"""Per-layer measures on calibration text: what `surgeon analyze` plots and what its suggestion reads.
+
+- angular distance of every contiguous block, for every block size (layer_scores.py, Gromov et al.);
+- block influence per layer (layer_scores.py, ShortGPT);
+- KV-head similarity per layer: the mean pairwise cosine between the K (and V) head outputs over the
+  calibration tokens, i.e. <W_i x, W_j x> summed over tokens, normalised. It says how well a group
+  merges by averaging: with equal norms, the mean merge loses (1 - cos) / 2 of each head's energy;
+- merge loss per layer and candidate head count: the share of the K and V outputs' energy the svd
+  merge of reduce_kv_heads loses (kv_heads.py, same inits), which is what a reduction starts from;
+- indexer recall per sparse layer (training/indexer.py): the share of dense attention mass the
+  selection keeps.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .. import architecture
+from ..kv_heads import merge_keys, merge_values, relative_error
+from ..modeling.sparse_attention import sparse_modules
+from ..ops.layer_scores import angular_distances, boundary_statistics
+from ..ops.reduce_kv_heads import NORMED_KEYS
+from ..training.indexer import measure_recall
+
+
+@dataclass
+class LayerMeasures:
+    layers: int
+    kv_heads: int
+    angular: dict[int, list[float]]  # block size n -> distance of block [l, l+n) for l = 0..L-n
+    influence: list[float]  # per layer
+    kv_similarity: dict[str, list[float]] | None  # {"k", "v"} -> per layer; None with a single KV head
+    merge_loss: dict[int, dict[str, list[float]]]  # kept heads -> {"k", "v"} -> per layer
+    recall: dict[int, float] | None  # sparse layer -> recall; None for a dense model
+
+    def as_dict(self) -> dict:
+        return {
+            "layers": self.layers, "kv_heads": self.kv_heads,
+            "angular_distance": {str(n): d for n, d in self.angular.items()},
+            "block_influence": self.influence, "kv_head_similarity": self.kv_similarity,
+            "kv_merge_energy_lost": {str(t): m for t, m in self.merge_loss.items()},
+            "indexer_recall": None if self.recall is None else {str(k): v for k, v in self.recall.items()},
+        }
+
+
+def measure(model, windows: torch.Tensor) -> LayerMeasures:
+    config = model.config
+    n = config.num_hidden_layers
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    with _attention_input_covariance(model, enabled=kv > 1) as sigmas:  # filled during the one pass below
+        stats = boundary_statistics(model, windows)
+    angular = {size: angular_distances(stats["last"], size) for size in range(1, n)}
+    similarity, merge_loss = None, {}
+    if kv > 1:
+        similarity = kv_head_similarity(model, sigmas)
+        merge_loss = {t: svd_merge_loss(model, sigmas, t) for t in range(1, kv) if kv % t == 0}
+        del sigmas
+    recall = None
+    if sparse_modules(model):
+        recall = _recall(model, windows)
+    return LayerMeasures(n, kv, angular, stats["influence"].tolist(), similarity, merge_loss, recall)
+
+
+@contextmanager
+def _attention_input_covariance(model, enabled: bool):
+    """While open, accumulate per layer E[x x^T] (float64, a 1 appended for the bias) of the K/V
+    projections' input; the list is complete on exit. The same statistic reduce_kv_heads fits to,
+    gathered during the layer-score pass instead of a second pass over the text."""
+    hidden = model.config.hidden_size
+    layers = model.base_model.layers
+    sums = [torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64) for _ in layers] if enabled else []
+    count = [0]
+
+    def take(_module, args, index):
+        x = args[0].reshape(-1, hidden).double()
+        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+        sums[index] += x.T @ x
+        if index == 0:
+            count[0] += x.shape[0]
+
+    hooks = [layer.self_attn.k_proj.register_forward_pre_hook(lambda m, a, i=i: take(m, a, i))
+             for i, layer in enumerate(layers)] if enabled else []
+    try:
+        yield sums
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for s in sums:
+        s /= max(count[0], 1)
+
+
+def _recall(model, windows: torch.Tensor) -> dict[int, float]:
+    """measure_recall, with eager attention on the layers' own config too: Source.load_model swaps in
+    a cleaned model.config, so the attention modules no longer share the object indexer_mode switches."""
+    configs = {id(m.config): m.config for m in sparse_modules(model)}
+    saved = {key: config._attn_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._attn_implementation = "eager"
+        return {int(k): float(v) for k, v in measure_recall(model, windows).items()}
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation = saved[key]
+
+
+def kv_head_similarity(model, sigmas: list[torch.Tensor]) -> dict[str, list[float]]:
+    """Per layer, the mean over pairs of KV heads of cos(head i's outputs, head j's outputs)."""
+    hd = architecture.head_dim(model.config)
+    result = {"k": [], "v": []}
+    for layer, sigma in zip(model.base_model.layers, sigmas, strict=True):
+        for kind in ("k", "v"):
+            heads = _with_bias(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
+            projected = [w @ sigma for w in heads]
+            gram = torch.tensor([[float((p * w).sum()) for w in heads] for p in projected])
+            norms = gram.diagonal().clamp_min(1e-30).sqrt()
+            cos = gram / (norms[:, None] * norms[None, :])
+            pairs = torch.triu_indices(len(heads), len(heads), offset=1)
+            result[kind].append(cos[pairs[0], pairs[1]].mean().item())
+    return result
+
+
+def svd_merge_loss(model, sigmas: list[torch.Tensor], target: int) -> dict[str, list[float]]:
+    """Per layer, the share of K and V output energy lost when merging to `target` heads with the svd
+    init (mean keys where a per-head norm forbids the key map, as reduce_kv_heads does)."""
+    config = model.config
+    hd = architecture.head_dim(config)
+    r = config.num_key_value_heads // target
+    key_init = "mean" if config.model_type in NORMED_KEYS else "svd"
+    result = {"k": [], "v": []}
+    for layer, sigma in zip(model.base_model.layers, sigmas, strict=True):
+        for kind, merger, init in (("k", merge_keys, key_init), ("v", merge_values, "svd")):
+            heads = _with_bias(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
+            lost = total = 0.0
+            for group in range(target):
+                weights = list(heads[group * r:(group + 1) * r])
+                err, tot = relative_error(weights, merger(weights, sigma, init), sigma)
+                lost, total = lost + err, total + tot
+            result[kind].append(lost / total if total else 0.0)
+    return result
+
+
+def _with_bias(linear: torch.nn.Linear) -> torch.Tensor:
+    """[out, in + 1] in float64, the bias (or zeros) as the last column, matching the covariance."""
+    weight = linear.weight.detach().double()
+    bias = linear.bias.detach().double() if linear.bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+    return torch.cat([weight, bias[:, None]], dim=1)
