@@ -92,6 +92,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch.compile the decode step: faster decoding after a one-time compile")
     p.set_defaults(handler=_serve)
 
+    p = sub.add_parser("chat", help="chat with a model in the browser (Gradio), beside its model card and the recipe studio")
+    p.add_argument("model", nargs="?",
+                   help="export folder, Hugging Face folder or alias (default: the vision recipe's export, else the base model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7860, help="default 7860")
+    p.set_defaults(handler=_chat)
+
+    p = sub.add_parser("analyze", help="per-layer plots (angular distance, block influence, KV heads, "
+                       "indexer recall), an HTML report and a suggested recipe")
+    p.add_argument("model", help="alias, model folder or .gguf file")
+    p.add_argument("--data", required=True, nargs="+", help="text files or globs to measure on")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens to measure on (default 8192)")
+    p.add_argument("--out", help="report folder (default out/analysis-MODEL)")
+    p.set_defaults(handler=_analyze)
+
     p = sub.add_parser("models", help="list model aliases and whether each is installed")
     p.set_defaults(handler=_models)
     return parser
@@ -134,6 +149,19 @@ def _eval(args) -> None:
     print(json.dumps(metrics, indent=2) if args.json else _metrics_line(args.child, metrics))
 
 
+def _analyze(args) -> None:
+    from pathlib import Path
+
+    from .analysis import analyze
+
+    out = args.out or f"out/analysis-{Path(args.model).name}"
+    report = analyze(args.model, args.data, out, tokens=args.tokens)
+    print(f"suggestion: {report.suggestion.summary()}")
+    for reason in report.suggestion.reasons:
+        print(f"    {reason}")
+    print(f"report: {report.html}\nrecipe: {report.recipe}\nin {report.seconds:.0f} s")
+
+
 def _push(args) -> None:
     from .export import push_folder
 
@@ -147,6 +175,12 @@ def _serve(args) -> None:
           limits=ServerLimits(request_timeout=args.timeout),
           log_level="debug" if args.debug else "warning" if args.quiet else "info",
           device=args.device, dtype=args.dtype, quantize=args.quantize, compile=args.compile)
+
+
+def _chat(args) -> None:
+    from .demos.chat import launch
+
+    launch(args.model, host=args.host, port=args.port)
 
 
 def _models(args) -> None:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import RecipeError
 from .ops import BASE, OPERATIONS, PATIENT
-from .yaml_lines import LineMap, format_path, load_yaml_file
+from .yaml_lines import LineMap, format_path, load_yaml, load_yaml_file
 
 DType = Literal["float32", "bfloat16", "float16"]
 RESERVED_SOURCE_NAMES = (BASE, PATIENT, "parent")
@@ -111,10 +111,14 @@ class Recipe:
         return f"{self.lines.where(node if node is not None else path)}: {format_path(path)}: {message}"
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Parse and schema-check a recipe file (no model is touched). Raises RecipeError."""
+def load_recipe(path: str | Path, text: str | None = None) -> Recipe:
+    """Parse and schema-check a recipe file (no model is touched). Raises RecipeError. `text`: the
+    recipe as edited but not saved (the studio), read as if it were the file at `path`."""
     path = Path(path)
-    data, lines, text = load_yaml_file(path)
+    if text is None:
+        data, lines, text = load_yaml_file(path)
+    else:
+        data, lines = load_yaml(text, str(path))
     if not isinstance(data, dict):
         raise RecipeError([f"{lines.where(())}: a recipe is a mapping with name, base, steps and export"])
     problems: list[str] = []

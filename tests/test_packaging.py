@@ -28,8 +28,12 @@ def test_every_subpackage_is_listed_in_pyproject():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "surgeon").rglob("__init__.py")}
-    assert listed == found | {"surgeon.kernels"}
+    assert listed == found | {"surgeon.kernels", "surgeon.demos"}
     assert config["package-dir"]["surgeon.kernels"] == "kernels"
+    assert config["package-dir"]["surgeon.demos"] == "demos"
+    import surgeon.demos
+
+    assert surgeon.demos.__file__.startswith(str(ROOT / "demos"))
 
 
 def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..errors import SurgeonError
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .progress import report_step
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ def drive(spec, accelerator, trainable: dict[str, torch.nn.Parameter], body: tor
                                      "tokens": result.tokens, "tokens_per_second": round(tokens / elapsed, 1),
                                      "step_seconds": round(elapsed, 3)})
             bar.update(1)
+            report_step({"desc": desc, "step": step, "steps": spec.steps, **measures})
             bar.set_postfix(**{k: f"{v:.3f}" for k, v in measures.items() if k in SHOWN},
                             tok_s=f"{tokens / elapsed:.0f}")
             if step % spec.eval.every == 0 or step == spec.steps:
