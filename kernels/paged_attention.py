@@ -12,24 +12,37 @@ import torch
 import torch.nn.functional as F
 
 
+def key_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] cache slots (block * block_size + row) of positions 0..S-1 of each sequence, S the
+    longest context, and the [B, 1, 1, S] mask of those that exist."""
+    longest = int(context_lens.max())
+    blocks = -(-longest // block_size)
+    rows = torch.arange(block_size, device=block_tables.device)
+    table = block_tables[:, :blocks].long().clamp_min(0)
+    slots = (table[:, :, None] * block_size + rows).flatten(1)[:, :longest]
+    seen = torch.arange(longest, device=block_tables.device)[None, :] < context_lens[:, None].to(block_tables.device)
+    return slots, seen[:, None, None]
+
+
+def decode_attention_by_slots(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                              mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference's arithmetic from precomputed `key_slots` (the CPU engine builds them once per
+    step, not once per layer): one fused call, [B, H, 1, D] queries over [B, kv_heads, S, D] keys."""
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    k = k_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)
+    v = v_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0]
+
+
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                                      scale: float) -> torch.Tensor:
     """q [B, H, D]; block_tables [B, max_blocks] int32 (unused slots any value); context_lens [B] int32,
     the keys each query sees (its own included). Returns [B, H, D]; query head h reads KV head
     h // (H / kv_heads)."""
-    batch, heads, dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    longest = int(context_lens.max())
-    blocks = -(-longest // block_size)
-    table = block_tables[:, :blocks].long().clamp_min(0)
-    k = k_cache[table].reshape(batch, blocks * block_size, kv_heads, dim)[:, :longest]
-    v = v_cache[table].reshape(batch, blocks * block_size, kv_heads, dim)[:, :longest]
-    seen = torch.arange(longest, device=q.device)[None, :] < context_lens[:, None].to(q.device)
-    # One fused call (the CPU engine runs this): [B, H, 1, D] queries over [B, kv_heads, S, D] keys.
-    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=seen[:, None, None], scale=scale, enable_gqa=True)
-    return out[:, :, 0]
+    slots, mask = key_slots(block_tables, context_lens, k_cache.shape[1])
+    return decode_attention_by_slots(q, k_cache, v_cache, slots, mask, scale)
 
 
 from .common import dot_precision, tl, triton

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import paged_attention, prefill_attention, sparse_attention
 from .batch import StepBatch
@@ -21,7 +20,8 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]; this step's keys/values are already in the cache."""
     if not batch.prefill and batch.key_slots is not None:
-        return _decode_by_slots(q, k_cache, v_cache, batch, scale)
+        # Off CUDA: the reference's arithmetic, its gather indices built once per step.
+        return paged_attention.decode_attention_by_slots(q, k_cache, v_cache, batch.key_slots, batch.key_mask, scale)
     if not batch.prefill:
         run = _pick(paged_attention, "paged_decode_attention", q)
         return run(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
@@ -30,16 +30,6 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v = v_cache.view(-1, heads, dim)[batch.context_slots]
     run = _pick(prefill_attention, "prefill_attention", q)
     return run(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, scale, batch.spans)
-
-
-def _decode_by_slots(q, k_cache, v_cache, batch: StepBatch, scale: float) -> torch.Tensor:
-    """The CPU decode path: paged_decode_attention_reference's arithmetic with the gather indices
-    built once per step instead of once per layer (a decode step is mostly per-op overhead here)."""
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.view(-1, heads, dim)[batch.key_slots].transpose(1, 2)  # [B, kv_heads, S, D]
-    v = v_cache.view(-1, heads, dim)[batch.key_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=batch.key_mask, scale=scale, enable_gqa=True)
-    return out[:, :, 0]
 
 
 def sparse_topk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index_q: torch.Tensor,

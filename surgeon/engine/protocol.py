@@ -184,10 +184,6 @@ def engine_messages(messages: list[Message]) -> tuple[list[dict], list[str]]:
         if not isinstance(message.content, list):
             converted.append({"role": role, "content": message.content or ""})
             continue
-        if not any(isinstance(part, ImagePart) for part in message.content):
-            # Text parts alone read as one string, which text-only models take too.
-            converted.append({"role": role, "content": "".join(part.text for part in message.content)})
-            continue
         parts = []
         for part in message.content:
             if isinstance(part, ImagePart):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.paged_attention import key_slots
 from .batch import StepBatch
 from .models.llama import LlamaEngineModel
 from .scheduler import Scheduled
@@ -43,15 +44,6 @@ class ModelRunner:
     def _slot(self, seq, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _key_slots(self, tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, S] cache slots of positions 0..S-1 of each sequence, and [B, 1, 1, S] which exist."""
-        longest = int(lengths.max())
-        blocks = -(-longest // self.block_size)
-        rows = torch.arange(self.block_size, device=tables.device)
-        slots = (tables[:, :blocks].long().clamp_min(0)[:, :, None] * self.block_size + rows).flatten(1)[:, :longest]
-        mask = torch.arange(longest, device=tables.device)[None, :] < lengths[:, None]
-        return slots, mask[:, None, None]
-
     @torch.inference_mode()
     def run(self, step: Scheduled) -> torch.Tensor:
         """Logits [R, vocab] fp32 for the sequences whose step reaches their last token, in order."""
@@ -85,7 +77,7 @@ class ModelRunner:
             batch.cu_seqlens_q, batch.cu_seqlens_k = tensor(cu_q, torch.int32), tensor(cu_k, torch.int32)
             batch.context_slots = tensor(context_slots)
         elif device.type != "cuda":
-            batch.key_slots, batch.key_mask = self._key_slots(batch.block_tables, batch.context_lens)
+            batch.key_slots, batch.key_mask = key_slots(batch.block_tables, batch.context_lens, self.block_size)
         forward = self.model if step.prefill else self.decode_forward
         return forward(self._embed(step, ids), batch)
 

@@ -20,8 +20,8 @@ class Status(enum.Enum):
 @dataclass
 class ImageSpan:
     """An image's placeholder run in the prompt. `digest` (its pixels' hash) enters the prefix
-    cache's hash chain, so a repeated image reuses its cached keys; `pixels` are dropped once its
-    span has been prefilled."""
+    cache's hash chain, so a repeated image reuses its cached keys; `pixels` stay until the request
+    ends (a preempted request prefills its images again, usually from the encoder's feature cache)."""
 
     start: int
     length: int
