@@ -41,7 +41,7 @@ def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
     from surgeon import modeling  # noqa: F401  registers the sparse-attention class
-    from surgeon.sources import resolve_source
+    from surgeon.checkpoints.sources import resolve_source
 
     folder = resolve_source(path, Path.cwd()).folder()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from surgeon.architecture import keep_layers
+from surgeon.surgery.architecture import keep_layers
 from surgeon.runtime import limit_heap_fragmentation
-from surgeon.sources import resolve_source
-from surgeon.training.data import HealData, Source, build_train_set
+from surgeon.checkpoints.sources import resolve_source
+from surgeon.training.heal_data import HealData, DataSource
+from surgeon.training.text_set import build_train_set
 from surgeon.training.driver import resolve_precision
 from surgeon.training.loop import LoopSpec, train
 from surgeon.training.trainable import TrainSpec, prepare_student
@@ -43,7 +44,7 @@ def main() -> None:
     for p in teacher.parameters():
         p.requires_grad_(False)
     tokenizer = source.load_tokenizer()
-    data = build_train_set(HealData(sources=[Source(text=str(TEXT))], window=args.window, heldout_windows=0,
+    data = build_train_set(HealData(sources=[DataSource(text=str(TEXT))], window=args.window, heldout_windows=0,
                                     tokens=(args.steps + 2) * args.batch * args.window),
                            {0: [TEXT]}, tokenizer)
     precision = resolve_precision(args.precision, torch.device("cpu"))
@@ -72,7 +73,7 @@ def main() -> None:
 def trainer_tokens_per_second(teacher, student, globs, data, args, precision) -> float:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from surgeon.selection import select
+    from surgeon.surgery.selection import select
 
     names = [n for n, _ in student.named_parameters()]
     chosen = set(select(names, globs))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from surgeon.aliases import DEFAULT_MODEL
+from surgeon.checkpoints.aliases import DEFAULT_MODEL
 from surgeon.errors import SurgeonError
 
 # demos/ sits beside recipes/ in the repository (an editable install keeps it there).
@@ -22,8 +22,8 @@ class ModelChoice:
 def choose_model(path: str | None = None, vision_recipe: Path = VISION_RECIPE) -> ModelChoice:
     if path:
         return ModelChoice(str(path), "the model you named")
-    from surgeon.recipe import load_recipe
-    from surgeon.run import export_target
+    from surgeon.recipe.schema import load_recipe
+    from surgeon.recipe.run import export_target
 
     try:
         target = export_target(load_recipe(vision_recipe), None)  # where `surgeon run` writes it

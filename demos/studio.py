@@ -19,8 +19,8 @@ LOSS_COLUMNS = ["step", "loss", "loop"]
 
 def plan_text(path: str, text: str) -> str:
     """The plan table, or every problem found, one `file:line: ...` per line."""
-    from surgeon.plan import format_plan, plan_recipe
-    from surgeon.recipe import load_recipe
+    from surgeon.recipe.plan import format_plan, plan_recipe
+    from surgeon.recipe.schema import load_recipe
 
     try:
         return format_plan(plan_recipe(load_recipe(_recipe_path(path), text)))
@@ -43,8 +43,8 @@ def save_recipe(path: str, text: str) -> str:
 
 def run_studio_recipe(path: str, text: str, overwrite: bool, progress=gr.Progress()):
     """Yields (status, loss table, open-button update, export path) as the run goes."""
-    from surgeon.recipe import load_recipe
-    from surgeon.run import run_recipe
+    from surgeon.recipe.schema import load_recipe
+    from surgeon.recipe.run import run_recipe
     from surgeon.training.progress import watch_training
 
     try:

@@ -113,8 +113,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _validate(args) -> None:
-    from .plan import plan_recipe
-    from .recipe import load_recipe
+    from .recipe.plan import plan_recipe
+    from .recipe.schema import load_recipe
 
     recipe = load_recipe(args.recipe)
     plan_recipe(recipe)
@@ -122,16 +122,16 @@ def _validate(args) -> None:
 
 
 def _plan(args) -> None:
-    from .plan import format_plan, plan_recipe
-    from .recipe import load_recipe
+    from .recipe.plan import format_plan, plan_recipe
+    from .recipe.schema import load_recipe
 
     plan = plan_recipe(load_recipe(args.recipe))
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
 
 
 def _run(args) -> None:
-    from .recipe import load_recipe
-    from .run import run_recipe
+    from .recipe.schema import load_recipe
+    from .recipe.run import run_recipe
 
     started = time.perf_counter()
     result = run_recipe(load_recipe(args.recipe), out=args.out, overwrite=args.overwrite, resume=args.resume)
@@ -143,7 +143,7 @@ def _run(args) -> None:
 
 
 def _eval(args) -> None:
-    from .compare import evaluate_checkpoints
+    from .measure.compare import evaluate_checkpoints
 
     metrics = evaluate_checkpoints(args.child, args.parent, args.data, tokens=args.tokens, window=args.window)
     print(json.dumps(metrics, indent=2) if args.json else _metrics_line(args.child, metrics))
@@ -163,7 +163,7 @@ def _analyze(args) -> None:
 
 
 def _push(args) -> None:
-    from .export import push_folder
+    from .checkpoints.export import push_folder
 
     print(push_folder(args.folder, args.repo_id, args.private))
 
@@ -184,7 +184,7 @@ def _chat(args) -> None:
 
 
 def _models(args) -> None:
-    from .aliases import ALIASES, DEFAULT_MODEL
+    from .checkpoints.aliases import ALIASES, DEFAULT_MODEL
 
     for alias in ALIASES.values():
         state = f"installed ({alias.version()})" if alias.installed() else f"not installed: {alias.install}"

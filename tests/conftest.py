@@ -88,7 +88,7 @@ def tokenizer_dir(tmp_path_factory, text_dir) -> Path:
 
 
 def tiny_config(family: str, layers: int = 6, **overrides):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -98,6 +98,8 @@ def tiny_config(family: str, layers: int = 6, **overrides):
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(**common)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=None)
     if family == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     if family == "qwen3":
@@ -106,6 +108,10 @@ def tiny_config(family: str, layers: int = 6, **overrides):
         # A short sliding window and a 3-layer pattern, so layer types really alternate.
         return Gemma3TextConfig(**common, head_dim=16, sliding_window=16, sliding_window_pattern=3,
                                 query_pre_attn_scalar=16, final_logit_softcapping=5.0)
+    if family == "gemma2":
+        # Gemma-2 alternates local and global attention layer by layer, and soft-caps logits.
+        return Gemma2Config(**common, head_dim=16, sliding_window=16, query_pre_attn_scalar=16,
+                            final_logit_softcapping=5.0, attn_logit_softcapping=20.0)
     raise ValueError(family)
 
 
@@ -123,7 +129,7 @@ def save_tiny_model(folder: Path, family: str, tokenizer_dir: Path, seed: int = 
     return folder
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")  # tiny_config names
 
 
 @pytest.fixture(scope="session")
@@ -159,3 +165,37 @@ requires_smollm2 = pytest.mark.skipif(
 requires_shared_data = pytest.mark.skipif(
     not SHARED_DATA.is_dir(), reason=f"{SHARED_DATA} is absent (the workplace's shared data folder)"
 )
+
+
+def tiny_family_config(model_type: str):
+    """A tiny config of every model type surgeon/families.py marks tested (the LMs as tiny_config
+    builds them for the tests that operate on them; the VLMs and vision towers as their tests do)."""
+    from transformers import CLIPVisionConfig, LlavaConfig, SiglipVisionConfig
+
+    from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonVLMConfig
+
+    by_type = {tiny_config(name).model_type: name for name in FAMILIES}
+    if model_type in by_type:
+        return tiny_config(by_type[model_type])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)
+    text = tiny_config("llama", layers=2)
+    if model_type == "surgeon_sparse_llama":
+        return SurgeonSparseLlamaConfig(sparse_attention={"top_k": 8, "sinks": 2, "window": 3, "index_heads": 2,
+                                                          "index_dim": 16, "rope_dim": 8},
+                                        **{k: v for k, v in text.to_dict().items() if k != "model_type"})
+    if model_type == "surgeon_vlm":
+        return SurgeonVLMConfig(text_config=text, vision_config=CLIPVisionConfig(**vision), image_size=32,
+                                vision_hidden_size=32, vision_grid=[4, 4], vision_tokens=16, vision_layer=-2,
+                                image_token_id=text.vocab_size)
+    if model_type == "llava":
+        return LlavaConfig(vision_config=CLIPVisionConfig(**vision).to_dict(), text_config=text.to_dict())
+    if model_type in ("clip", "clip_vision_model"):
+        from transformers import CLIPConfig
+
+        return CLIPVisionConfig(**vision) if model_type == "clip_vision_model" else CLIPConfig(vision_config=vision)
+    if model_type in ("siglip", "siglip_vision_model"):
+        from transformers import SiglipConfig
+
+        return SiglipVisionConfig(**vision) if model_type == "siglip_vision_model" else SiglipConfig(vision_config=vision)
+    raise ValueError(f"no tiny config for {model_type!r}")

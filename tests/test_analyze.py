@@ -13,8 +13,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from surgeon.analysis import analyze
 from surgeon.cli import main
 from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonSparseLlamaForCausalLM
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
 from conftest import tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -85,8 +85,8 @@ def test_cli_reports_a_missing_data_file(tiny_llama, tmp_path, capsys):
 
 
 def test_model_card_shows_the_plots_its_steps_measured():
-    from surgeon.card import render_card
-    from surgeon.plots import report_plots
+    from surgeon.report.card import render_card
+    from surgeon.report.plots import report_plots
 
     shape = {"layers": 4, "heads": 4, "kv_heads": 2, "params": 1000}
     report = {

@@ -38,7 +38,7 @@ def engine_tokens(llm: LLM, batch: list[list[int]], params: SamplingParams = GRE
     return [done.token_ids for done in llm.generate(batch, params)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_greedy_tokens_equal_transformers_through_chunked_prefill_and_batching(tiny_models, family):
     folder = tiny_models[family]
     # Blocks of 4 and a 16-token prefill budget: prompts span many blocks and several chunks.
@@ -230,7 +230,7 @@ def test_llava_layout_export_matches_transformers(tmp_path, tokenizer_dir):
 @pytest.mark.real_model
 @requires_smollm2
 def test_real_smollm2_chats_equal_transformers_generate():
-    from surgeon.sources import resolve_source
+    from surgeon.checkpoints.sources import resolve_source
 
     llm = LLM("smollm2-135m-instruct", kv_cache_tokens=2048)
     source = resolve_source("smollm2-135m-instruct", Path.cwd())

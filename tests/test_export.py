@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from surgeon.errors import ExportError
-from surgeon.recipe import load_recipe
-from surgeon.run import run_recipe
+from surgeon.recipe.schema import load_recipe
+from surgeon.recipe.run import run_recipe
 
 
 def drop_recipe(write_recipe, model, text_dir, extra: str = "") -> str:
@@ -110,7 +110,7 @@ def test_existing_target_is_refused_before_any_work(tiny_llama, text_dir, write_
     target = tmp_path / "export"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    monkeypatch.setattr("surgeon.patient.Patient.from_source", lambda *_: pytest.fail("weights were loaded"))
+    monkeypatch.setattr("surgeon.recipe.patient.Patient.from_source", lambda *_: pytest.fail("weights were loaded"))
     with pytest.raises(ExportError, match="already exists"):
         run_recipe(load_recipe(drop_recipe(write_recipe, tiny_llama, text_dir)), out=target)
     assert (target / "keep.txt").read_text() == "mine"
@@ -120,7 +120,7 @@ def test_failed_export_leaves_nothing_behind(tiny_llama, text_dir, write_recipe,
     def broken_card(*_args, **_kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("surgeon.export.render_card", broken_card)
+    monkeypatch.setattr("surgeon.checkpoints.export.render_card", broken_card)
     with pytest.raises(RuntimeError, match="disk full"):
         run_recipe(load_recipe(drop_recipe(write_recipe, tiny_llama, text_dir)), out=tmp_path / "out" / "export")
     assert list((tmp_path / "out").iterdir()) == []

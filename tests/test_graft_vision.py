@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 
 from surgeon.errors import RecipeError
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
-from surgeon.run import run_recipe
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
+from surgeon.recipe.run import run_recipe
 
 from conftest import ROOT
 
@@ -211,8 +211,8 @@ def test_image_questions_from_jsonl(tmp_path, tokenizer_dir):
     from transformers import AutoTokenizer
 
     from surgeon.errors import DataError
-    from surgeon.training.data import HealData
-    from surgeon.vision.data import build_vision_set
+    from surgeon.training.heal_data import HealData
+    from surgeon.vision.image_set import build_vision_set
     from surgeon.vision.processor import ImageTransform, VLMProcessor
 
     Image.new("RGB", (20, 20), (0, 0, 255)).save(tmp_path / "blue.png")
@@ -237,8 +237,8 @@ def test_image_questions_from_jsonl(tmp_path, tokenizer_dir):
 def test_mnist_splits_hold_out_every_digit(tmp_path):
     import numpy as np
 
-    from surgeon.training.data import MnistDigits
-    from surgeon.vision.data import mnist_rows
+    from surgeon.training.heal_data import MnistDigits
+    from surgeon.vision.image_set import mnist_rows
 
     labels = np.repeat(np.arange(10), 10)  # sorted by label, as the shared file is
     train = mnist_rows(labels, MnistDigits(path="x", split="train"))

@@ -14,12 +14,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from surgeon.architecture import keep_layers
+from surgeon.surgery.architecture import keep_layers
 from surgeon.errors import ExportError, RecipeError
-from surgeon.plan import format_plan, plan_recipe
-from surgeon.recipe import load_recipe
-from surgeon.run import run_recipe
-from surgeon.sources import resolve_source
+from surgeon.recipe.plan import format_plan, plan_recipe
+from surgeon.recipe.schema import load_recipe
+from surgeon.recipe.run import run_recipe
+from surgeon.checkpoints.sources import resolve_source
 from surgeon.training.forward import StudentBody, shared_prefix_length, teacher_forward
 from surgeon.training.trainable import TrainSpec, first_trainable_layer, prepare_student
 

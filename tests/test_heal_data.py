@@ -10,8 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from surgeon.errors import DataError, ParamError
-from surgeon.sources import resolve_source
-from surgeon.training.data import HealData, Source, build_train_set, check_sources
+from surgeon.checkpoints.sources import resolve_source
+from surgeon.training.heal_data import HealData, DataSource, check_sources
+from surgeon.training.text_set import build_train_set
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_datasets_library_reads_local_files(tmp_path, tokenizer, text_dir):
                   "heldout_windows": 1}, tmp_path, tokenizer)
     assert data.train_ids.shape[0] > 10
     with pytest.raises(ValueError, match="needs `data_files`"):
-        Source.model_validate({"dataset": "json"})
+        DataSource.model_validate({"dataset": "json"})
 
 
 def test_self_distill_is_written_by_the_teacher_and_cached(tiny_llama, tokenizer, monkeypatch):

@@ -9,13 +9,14 @@ import sys
 
 import pytest
 import torch
+from conftest import FAMILIES
 from transformers import AutoModelForCausalLM
 
 from surgeon.errors import RecipeError
-from surgeon.kv_heads import merge_keys, merge_values, relative_error
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
-from surgeon.run import run_recipe
+from surgeon.surgery.kv_heads import merge_keys, merge_values, relative_error
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
+from surgeon.recipe.run import run_recipe
 
 
 def _recipe(write_recipe, base, text_dir, kv_heads: int, init: str) -> str:
@@ -30,7 +31,7 @@ def _recipe(write_recipe, base, text_dir, kv_heads: int, init: str) -> str:
         """)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_mqa_export_is_the_standard_architecture(write_recipe, tiny_models, text_dir, tmp_path, family):
     recipe = _recipe(write_recipe, tiny_models[family], text_dir, 1, "svd")
     plan = plan_recipe(load_recipe(recipe))
@@ -56,8 +57,8 @@ def test_mqa_export_is_the_standard_architecture(write_recipe, tiny_models, text
 def test_svd_is_exact_when_heads_share_a_subspace(tiny_models, tokenizer_dir):
     """Two KV heads whose keys differ by a complex scale per rotary pair and whose values differ
     by an orthogonal map merge into one with no change to the model's output; mean does not."""
-    from surgeon.ops.reduce_kv_heads import attention_input_covariance, reduce_kv_heads
-    from surgeon import architecture
+    from surgeon.surgery.kv_merge import attention_input_covariance, merge_kv_heads
+    from surgeon.surgery import architecture
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
     hd = architecture.head_dim(model.config)
@@ -79,7 +80,7 @@ def test_svd_is_exact_when_heads_share_a_subspace(tiny_models, tokenizer_dir):
         expected = model(input_ids=ids).logits
         results = {}
         for init in ("svd", "mean"):
-            state, errors = reduce_kv_heads(model, 1, init, sigmas)
+            state, errors = merge_kv_heads(model, 1, init, sigmas)
             config = model.config.__class__.from_dict({**model.config.to_dict(), "num_key_value_heads": 1})
             merged = architecture.assemble(config, state)
             results[init] = (merged(input_ids=ids).logits - expected).abs().max().item()

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from conftest import FAMILIES, save_tiny_model
-from surgeon.data import TextData
-from surgeon.ops import BASE, OPERATIONS, StepContext
-from surgeon.patient import Patient
-from surgeon.sources import resolve_source
+from surgeon.text import TextData
+from surgeon.ops import OPERATIONS
+from surgeon.recipe.step import BASE, StepContext
+from surgeon.recipe.patient import Patient
+from surgeon.checkpoints.sources import resolve_source
 
 
 def load_patient(folder: Path) -> Patient:
@@ -160,8 +161,8 @@ def test_stack_takes_layers_from_another_checkpoint(tiny_llama, tmp_path, tokeni
 
 def test_stack_from_a_module_subset(tiny_llama, tmp_path, tokenizer_dir, write_recipe):
     from surgeon.errors import RecipeError
-    from surgeon.plan import plan_recipe
-    from surgeon.recipe import load_recipe
+    from surgeon.recipe.plan import plan_recipe
+    from surgeon.recipe.schema import load_recipe
 
     donor = save_tiny_model(tmp_path / "donor", "llama", tokenizer_dir, seed=3)
     recipe = f"""
@@ -192,7 +193,7 @@ def test_calibration_text_too_short_is_a_clear_error(tiny_llama, text_dir):
 
 
 def test_text_windows_start_with_bos(tiny_llama, text_dir):
-    from surgeon.data import token_windows
+    from surgeon.text import token_windows
 
     tokenizer = load_patient(tiny_llama).tokenizer
     windows = token_windows(tokenizer, [text_dir / "heldout.txt"], TextData(text="x", tokens=512, window=128))

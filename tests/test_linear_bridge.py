@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from surgeon.architecture import keep_layers
+from surgeon.surgery.architecture import keep_layers
 from surgeon.errors import RecipeError
-from surgeon.ops.linear_bridge import contiguous_runs, fold_into_down_proj
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
+from surgeon.surgery.linear_bridge import contiguous_runs, fold_into_down_proj
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
 from test_layers import apply, load_patient
 
 
@@ -27,7 +27,7 @@ def stream_entering(model, layer: int, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_bridged_stream_is_closer_to_the_parent_by_the_reported_factor(tiny_llama, text_dir):
-    from surgeon.data import TextData, token_windows
+    from surgeon.text import TextData, token_windows
 
     patient = load_patient(tiny_llama)
     calibration = {"text": str(text_dir / "calibration.txt"), "tokens": 1024, "window": 128}

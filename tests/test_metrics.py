@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAMILIES
 
-from surgeon.data import TextData, token_windows
-from surgeon.metrics import compare_to_parent, parent_reference
-from surgeon.sources import resolve_source
+from surgeon.text import TextData, token_windows
+from surgeon.measure.metrics import compare_to_parent, parent_reference
+from surgeon.checkpoints.sources import resolve_source
 
 
 @pytest.fixture
@@ -67,9 +68,9 @@ def test_parent_logits_are_cached_and_keyed_by_data(setup):
     assert other.folder != first.folder and len(calls) == 2
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_logits_equal_the_models_own(family, tiny_models):
-    from surgeon.architecture import output_logits
+    from surgeon.surgery.architecture import output_logits
 
     model = resolve_source(str(tiny_models[family]), Path.cwd()).load_model()
     ids = torch.randint(3, 300, (1, 50), generator=torch.Generator().manual_seed(0))

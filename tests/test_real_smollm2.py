@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import SHARED_DATA, requires_shared_data, requires_smollm2
-from surgeon.architecture import keep_layers
-from surgeon.data import TextData, token_windows
+from surgeon.surgery.architecture import keep_layers
+from surgeon.text import TextData, token_windows
 from surgeon.errors import RecipeError
-from surgeon.metrics import compare_to_parent, parent_reference
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
-from surgeon.run import run_recipe
-from surgeon.sources import resolve_source
+from surgeon.measure.metrics import compare_to_parent, parent_reference
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
+from surgeon.recipe.run import run_recipe
+from surgeon.checkpoints.sources import resolve_source
 from test_export import plain_transformers_logits
 
 pytestmark = [pytest.mark.real_model, requires_smollm2]

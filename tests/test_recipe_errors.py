@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from surgeon.errors import RecipeError
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
 
 
 def problems(path) -> list[str]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import ROOT, SHARED_DATA
-from surgeon.aliases import ALIASES
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
+from surgeon.checkpoints.aliases import ALIASES
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from surgeon import aliases
+from surgeon.checkpoints import aliases
 from surgeon.errors import SourceError
-from surgeon.selection import select, unmatched_patterns
-from surgeon.sources import resolve_source
+from surgeon.surgery.selection import select, unmatched_patterns
+from surgeon.checkpoints.sources import resolve_source
 
 
 def test_folder_source_reads_config_and_tensor_names_without_weights(tiny_llama):

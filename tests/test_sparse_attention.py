@@ -20,9 +20,9 @@ from surgeon.modeling.sparse_attention import (
     sparse_attention_reference,
     visible_keys,
 )
-from surgeon.plan import plan_recipe
-from surgeon.recipe import load_recipe
-from surgeon.run import run_recipe
+from surgeon.recipe.plan import plan_recipe
+from surgeon.recipe.schema import load_recipe
+from surgeon.recipe.run import run_recipe
 from conftest import tiny_config
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import TextData, describe_files, resolve_files, token_windows
-from ..cache import temporary_sibling
-from ..sources import resolve_source
-from . import figures
+from ..text import TextData, describe_files, resolve_files, token_windows
+from ..checkpoints.atomic import atomic_folder
+from ..checkpoints.sources import resolve_source
+from ..report import figures
 from .html_report import render_html
 from .measures import LayerMeasures, measure
 from .suggest import Suggestion, recipe_text, suggest
@@ -53,20 +52,12 @@ def analyze(model_spec: str, data_files: list[str], out_dir: str | Path, tokens:
     name = f"{Path(model_spec).name}-suggested"
     recipe = recipe_text(suggestion, name, model_spec, model.config.model_type, files, out, tokens)
     title = f"surgeon analyze: {source.describe()} on {describe_files(files)} ({windows.numel():,} tokens)"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(out)  # a rerun replaces the whole folder, never half of it
-    try:
-        tmp.mkdir()
+    with atomic_folder(out) as tmp:  # a rerun replaces the whole folder, never half of it
         for figure in drawn:
             (tmp / figure.name).write_bytes(figure.png)
         (tmp / "measures.json").write_text(json.dumps(m.as_dict(), indent=1) + "\n")
         (tmp / "suggested-recipe.yaml").write_text(recipe)
         (tmp / "report.html").write_text(render_html(title, m, drawn, suggestion.summary(), suggestion.reasons, recipe))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return Report(out, m, suggestion, {f.name: f for f in drawn}, time.perf_counter() - started)
 
 

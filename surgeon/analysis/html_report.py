@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import html
 
-from .figures import Figure
+from ..report.figures import Figure
 from .measures import LayerMeasures
 
 

@@ -13,16 +13,16 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from .. import architecture
-from ..kv_heads import merge_keys, merge_values, relative_error
+from .. import families
+from ..surgery import architecture
+from ..surgery.kv_heads import merge_keys, merge_values, relative_error
+from ..surgery.kv_merge import key_input_covariance
 from ..modeling.sparse_attention import sparse_modules
-from ..ops.layer_scores import angular_distances, boundary_statistics
-from ..ops.reduce_kv_heads import NORMED_KEYS
+from ..surgery.layer_scores import angular_distances, boundary_statistics
 from ..training.indexer import measure_recall
 
 
@@ -50,7 +50,7 @@ def measure(model, windows: torch.Tensor) -> LayerMeasures:
     config = model.config
     n = config.num_hidden_layers
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    with _attention_input_covariance(model, enabled=kv > 1) as sigmas:  # filled during the one pass below
+    with key_input_covariance(model, enabled=kv > 1) as sigmas:  # filled during the one pass below
         stats = boundary_statistics(model, windows)
     angular = {size: angular_distances(stats["last"], size) for size in range(1, n)}
     similarity, merge_loss = None, {}
@@ -62,34 +62,6 @@ def measure(model, windows: torch.Tensor) -> LayerMeasures:
     if sparse_modules(model):
         recall = _recall(model, windows)
     return LayerMeasures(n, kv, angular, stats["influence"].tolist(), similarity, merge_loss, recall)
-
-
-@contextmanager
-def _attention_input_covariance(model, enabled: bool):
-    """While open, accumulate per layer E[x x^T] (float64, a 1 appended for the bias) of the K/V
-    projections' input; the list is complete on exit. The same statistic reduce_kv_heads fits to,
-    gathered during the layer-score pass instead of a second pass over the text."""
-    hidden = model.config.hidden_size
-    layers = model.base_model.layers
-    sums = [torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64) for _ in layers] if enabled else []
-    count = [0]
-
-    def take(_module, args, index):
-        x = args[0].reshape(-1, hidden).double()
-        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
-        sums[index] += x.T @ x
-        if index == 0:
-            count[0] += x.shape[0]
-
-    hooks = [layer.self_attn.k_proj.register_forward_pre_hook(lambda m, a, i=i: take(m, a, i))
-             for i, layer in enumerate(layers)] if enabled else []
-    try:
-        yield sums
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for s in sums:
-        s /= max(count[0], 1)
 
 
 def _recall(model, windows: torch.Tensor) -> dict[int, float]:
@@ -128,7 +100,7 @@ def svd_merge_loss(model, sigmas: list[torch.Tensor], target: int) -> dict[str, 
     config = model.config
     hd = architecture.head_dim(config)
     r = config.num_key_value_heads // target
-    key_init = "mean" if config.model_type in NORMED_KEYS else "svd"
+    key_init = "mean" if families.has_qk_norm(config.model_type) else "svd"
     result = {"k": [], "v": []}
     for layer, sigma in zip(model.base_model.layers, sigmas, strict=True):
         for kind, merger, init in (("k", merge_keys, key_init), ("v", merge_values, "svd")):

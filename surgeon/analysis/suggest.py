@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from ..layer_spec import format_ranges
-from ..ops.linear_bridge import BRIDGEABLE_MODEL_TYPES
+from ..recipe.layer_spec import format_ranges
+from .. import families
 from .measures import LayerMeasures
 
 MAX_ANGULAR = 0.15
@@ -69,7 +69,7 @@ def recipe_text(s: Suggestion, name: str, model_spec: str, model_type: str, data
     calibration = {"text": text, "tokens": tokens}
     base = model_spec if not Path(model_spec).expanduser().exists() else _relative(Path(model_spec), recipe_dir)
     drop = {"layers": [s.drop[0] if len(s.drop) == 1 else f"{s.drop[0]}-{s.drop[-1]}"]}
-    if model_type in BRIDGEABLE_MODEL_TYPES and s.drop[0] > 0:
+    if families.is_bridgeable(model_type) and s.drop[0] > 0:
         drop.update(calibration=calibration, bridge="linear")
     steps = [{"drop_layers": drop}]
     if s.kv_heads:

@@ -138,7 +138,7 @@ class LLM:
 
     def _chat(self, messages: list[dict], images: list) -> tuple[list[int], list]:
         from ..errors import DataError
-        from ..training.data import chat_ids
+        from ..chat import chat_ids
 
         if self.tokenizer.chat_template is None:
             raise ValueError(f"{self.model_name} has no chat template; send a plain text prompt")

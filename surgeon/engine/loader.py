@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import SourceError
-from .models.llama import FAMILIES, LlamaEngineModel
+from .. import families
+from .models.llama import LlamaEngineModel
 from .vision import LlavaFront, SurgeonVLMFront, VisionEncoder
 
 
@@ -48,19 +49,19 @@ def _eos_ids(tokenizer, generation_config, config) -> set[int]:
 
 
 def _check_family(config, where: str) -> None:
-    if config.model_type not in FAMILIES:
-        raise SourceError(f"{where}: the engine runs {', '.join(FAMILIES)} models (and surgeon VLMs built "
+    if config.model_type not in families.engine_types():
+        raise SourceError(f"{where}: the engine runs {', '.join(families.engine_types())} models (and surgeon VLMs built "
                           f"on them); this one is '{config.model_type}'")
 
 
 def load(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> Loaded:
     from .. import modeling  # noqa: F401  registers surgeon's model classes with the Auto classes
-    from ..sources import resolve_source
+    from ..checkpoints.sources import resolve_source
 
     path = Path(spec).expanduser()
-    if path.is_dir() and _model_type(path) == "surgeon_vlm":
+    if path.is_dir() and _model_type(path) == families.SURGEON_VLM:
         return _load_vlm(path, device, dtype)
-    if path.is_dir() and _model_type(path) == "llava":
+    if path.is_dir() and _model_type(path) == families.LLAVA:
         return _load_llava(path, device, dtype)
     source = resolve_source(spec, Path.cwd(), trust_remote_code=trust_remote_code)
     config = source.config if source.kind != "folder" else None

@@ -1,99 +1,13 @@
-"""Operations a recipe step can name. One module per family; each registers its operations here.
-
-An operation has a pydantic `Params` model and two methods:
-- `plan(params, state, ctx)`: check the parameters against the model they will meet and return the
-  model's state afterwards. No weights are read; raise ParamError for anything that cannot work.
-- `apply(params, patient, ctx)`: do it, returning a new Patient with a provenance entry.
-Modules in this package are imported automatically, so adding an operation touches one file.
-"""
-
-from __future__ import annotations
+"""Operations a recipe step can name, one registered operation per module (the contract they
+implement is surgeon/recipe/step.py). Modules here are imported automatically, so adding an
+operation touches one file; `OPERATIONS` here is the registry with all of them in it."""
 
 import importlib
 import pkgutil
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar
 
-import torch
-from pydantic import BaseModel
-from transformers import PretrainedConfig
-
-from ..data import TextData, resolve_text_files, token_windows
-from ..errors import ParamError
-from ..patient import Patient
-from ..sources import Source
-
-# Names a step may use for "the model as it stands now" and "the recipe's unoperated base".
-PATIENT = "patient"
-BASE = "base"
-
-
-@dataclass(frozen=True)
-class ModelState:
-    """What `plan` knows of the model between steps: its config and working dtype."""
-
-    config: PretrainedConfig
-    dtype: torch.dtype
-
-
-@dataclass
-class StepContext:
-    recipe_dir: Path
-    sources: dict[str, Source]  # named sources, plus BASE
-    index: int = 0
-    label: str = ""  # "steps[3].evaluate", for messages
-    previous_op: str | None = None
-    facts: dict[str, Any] = field(default_factory=dict)  # what plan learned, reused by apply
-    work_dir: Path | None = None  # the run's checkpoints (beside the export); None in plan
-    resume: bool = False
-    recipe_digest: str = ""
-
-    def resolve_text(self, key: str, data: TextData, path: tuple) -> list[Path]:
-        """In plan: the files of a step's text (an error points at `path` in the recipe), kept under
-        `key` for apply."""
-        try:
-            files = resolve_text_files(data, self.recipe_dir)
-        except ParamError as exc:
-            raise exc.under(path) from None
-        self.facts[key] = files
-        return files
-
-    def text_windows(self, key: str, data: TextData, tokenizer) -> tuple[list[Path], torch.Tensor]:
-        """In apply: the files plan kept under `key` (resolved now when apply runs unplanned) and
-        their token windows."""
-        files = self.facts.get(key) or resolve_text_files(data, self.recipe_dir)
-        return files, token_windows(tokenizer, files, data)
-
-    def stage_name(self, name: str | None) -> str:
-        """A measuring step's label in the report: its own `name`, else after the last operation."""
-        return name or (f"after {self.previous_op}" if self.previous_op else "base")
-
-
-class Operation:
-    name: ClassVar[str]
-    Params: ClassVar[type[BaseModel]]
-    summary: ClassVar[str] = ""
-    measures: ClassVar[bool] = False  # measures the model without changing it (stage names skip these)
-    accepts_vlm: ClassVar[bool] = False  # may follow graft_vision (others edit the LM's layers directly)
-
-    def plan(self, params: BaseModel, state: ModelState, ctx: StepContext) -> tuple[ModelState, str]:
-        """Return the state after this step and a short note for the plan table."""
-        raise NotImplementedError
-
-    def apply(self, params: BaseModel, patient: Patient, ctx: StepContext) -> Patient:
-        raise NotImplementedError
-
-
-OPERATIONS: dict[str, Operation] = {}
-
-
-def register(cls: type[Operation]) -> type[Operation]:
-    if cls.name in OPERATIONS:
-        raise RuntimeError(f"operation {cls.name!r} registered twice")
-    OPERATIONS[cls.name] = cls()
-    return cls
-
+from ..recipe.step import OPERATIONS
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["OPERATIONS"]

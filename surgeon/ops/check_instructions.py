@@ -6,9 +6,9 @@ import logging
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..instructions import ITEMS, instruction_check
-from ..patient import Patient, Stage
-from . import ModelState, Operation, StepContext, register
+from ..measure.instructions import ITEMS, instruction_check
+from ..recipe.patient import Patient, Stage
+from ..recipe.step import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
 _PARENT_RESULTS: dict[str, dict] = {}  # the parent is scored once per process

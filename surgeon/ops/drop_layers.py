@@ -12,15 +12,16 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
-from .. import architecture
-from ..data import TextData, describe_files
+from .. import families
+from ..surgery import architecture
+from ..text import TextData, describe_files
 from ..errors import ParamError
-from ..metrics import compare_to_parent, parent_reference
-from ..patient import Patient, Provenance
-from . import ModelState, Operation, StepContext, register
-from ..layer_spec import LayerList, expand_layers, format_ranges
-from .layer_scores import angular_distances, boundary_statistics, cheapest_block, least_influential
-from .linear_bridge import BRIDGEABLE_MODEL_TYPES, contiguous_runs, fit_bridges, fold_into_down_proj
+from ..measure.metrics import compare_to_parent, parent_reference
+from ..recipe.patient import Patient, Provenance
+from ..recipe.step import ModelState, Operation, StepContext, register
+from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
+from ..surgery.layer_scores import angular_distances, boundary_statistics, cheapest_block, least_influential
+from ..surgery.linear_bridge import contiguous_runs, fit_bridges, fold_into_down_proj
 
 
 class AutoDrop(BaseModel):
@@ -86,9 +87,9 @@ class DropLayers(Operation):
             dropped = list(range(n - count, n))  # placeholder of the right size; chosen at run time
             note = f"drop {count} by {params.auto.metric}{where} (chosen at run time)"
         if params.bridge != "none":
-            if state.config.model_type not in BRIDGEABLE_MODEL_TYPES:
+            if not families.is_bridgeable(state.config.model_type):
                 raise ParamError(("bridge",), f"a linear bridge needs an MLP that adds to the residual stream "
-                                 f"directly ({', '.join(BRIDGEABLE_MODEL_TYPES)}); "
+                                 f"directly ({', '.join(families.bridgeable_types())}); "
                                  f"{state.config.model_type} normalises it first")
             note += f", linear bridge fitted{where}"
         if len(dropped) >= n:

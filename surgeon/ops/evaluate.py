@@ -6,12 +6,12 @@ import logging
 
 from pydantic import BaseModel, ConfigDict
 
-from ..architecture import language_config
-from ..data import TextData
+from ..surgery.architecture import language_config
+from ..text import TextData
 from ..errors import ParamError
-from ..metrics import compare_to_parent, parent_reference
-from ..patient import Patient, Stage
-from . import ModelState, Operation, StepContext, register
+from ..measure.metrics import compare_to_parent, parent_reference
+from ..recipe.patient import Patient, Stage
+from ..recipe.step import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import logging
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ParamError
-from ..patient import Patient, Stage
-from ..training.data import IMAGE_KINDS, Source, check_sources
-from ..vision.data import describe_source
-from . import ModelState, Operation, StepContext, register
+from ..recipe.patient import Patient, Stage
+from ..training.heal_data import IMAGE_KINDS, DataSource, check_sources
+from ..vision.image_set import describe_source
+from ..recipe.step import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class EvaluateVisionParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    data: list[Source] = Field(min_length=1)
+    data: list[DataSource] = Field(min_length=1)
     shuffled_control: bool = True
     max_new_tokens: int = Field(8, gt=0, le=256)
     batch_size: int = Field(16, gt=0)
@@ -52,7 +52,7 @@ class EvaluateVision(Operation):
 
     def apply(self, params: EvaluateVisionParams, patient: Patient, ctx: StepContext) -> Patient:
         from ..vision.answers import greedy_answers, score, tower_outputs
-        from ..vision.data import encode_records, source_records
+        from ..vision.image_set import encode_records, source_records
         from ..vision.graft import processor_for
 
         files = ctx.facts.get("files", {})

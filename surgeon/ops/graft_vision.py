@@ -17,9 +17,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ParamError, SourceError
-from ..patient import Patient, Provenance
+from ..recipe.patient import Patient, Provenance
 from ..vision.processor import IMAGE_TOKEN
-from . import ModelState, Operation, StepContext, register
+from ..recipe.step import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class GraftVision(Operation):
         return ModelState(config, state.dtype), note
 
     def apply(self, params: GraftVisionParams, patient: Patient, ctx: StepContext) -> Patient:
-        from ..architecture import shape_of
+        from ..surgery.architecture import shape_of
         from ..vision.graft import assemble
 
         donor = _donor(params.tower, ctx.recipe_dir, weights=True)

@@ -8,28 +8,25 @@ exactly.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import tempfile
-from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from pydantic import ConfigDict
 
-from .. import architecture
-from ..architecture import shape_of
-from ..data import describe_files
+from ..surgery import architecture
+from ..surgery.architecture import shape_of
+from ..text import describe_files
 from ..errors import ParamError
 from ..modeling.sparse_attention import sparse_modules
-from ..patient import Patient, Provenance
-from ..training.data import IMAGE_KINDS, HealData, build_train_set, check_sources
+from ..recipe.patient import Patient, Provenance
+from ..training.heal_data import IMAGE_KINDS, HealData, check_sources
+from ..training.text_set import build_train_set
 from ..training.indexer import indexer_mode
 from ..training.loop import LoopSpec, train
 from ..training.trainable import TrainSpec, check_trainable, finish_student, prepare_student
 from ..vision.graft import is_vlm
-from . import ModelState, Operation, StepContext, register
-from .vision_heal import apply_vision_heal, plan_vision_heal
+from ..recipe.step import ModelState, Operation, StepContext, register
+from ..training.vision_heal import apply_vision_heal, plan_vision_heal
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +103,10 @@ class Heal(Operation):
         student = architecture.assemble(current.config, current.state_dict(), current.generation_config)
         sparse = bool(sparse_modules(student))
         student, trainable = prepare_student(student, _with_indexers(params.train, student))
-        digest = hashlib.sha256(
-            f"{ctx.recipe_digest}|{ctx.index}|{data.digest()}|{sorted(trainable)}".encode()).hexdigest()[:16]
+        digest = ctx.run_digest(data.digest(), sorted(trainable))
         # A sparse-attention student: selection on, and each indexer learns the attention over the
         # keys it picked (DeepSeek's second stage) while the LM is distilled.
-        with step_work_dir(ctx) as work, indexer_mode(student, dense=False, loss=sparse):
+        with ctx.checkpoint_dir() as work, indexer_mode(student, dense=False, loss=sparse):
             result = train(
                 student, trainable, teacher, data, params,
                 teacher_fingerprint=fingerprint, teacher_is_parent=params.teacher == PARENT,
@@ -149,13 +145,3 @@ def _with_indexers(train: TrainSpec, model) -> TrainSpec:
     if not sparse_modules(model):
         return train
     return train.model_copy(update={"params": [*(train.params or []), "model.layers.*.self_attn.indexer"]})
-
-
-@contextmanager
-def step_work_dir(ctx: StepContext):
-    """The run's checkpoint folder; outside a run (a library call), a temporary one."""
-    if ctx.work_dir is not None:
-        yield ctx.work_dir
-        return
-    with tempfile.TemporaryDirectory(prefix="surgeon-heal-") as tmp:
-        yield Path(tmp)

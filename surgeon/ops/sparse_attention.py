@@ -10,23 +10,22 @@ The result is surgeon's sparse Llama class (surgeon/modeling/sparse_llama.py), e
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .. import architecture
-from ..data import TextData, describe_files
+from .. import families
+from ..surgery import architecture
+from ..text import TextData, describe_files
 from ..errors import ParamError
-from ..layer_spec import LayerList, expand_layers, format_ranges
-from ..metrics import windows_digest
+from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
+from ..measure.metrics import windows_digest
 from ..modeling.sparse_attention import SparseSettings, attention_flops
 from ..modeling.sparse_llama import SurgeonSparseLlamaConfig
-from ..patient import Patient, Provenance
+from ..recipe.patient import Patient, Provenance
 from ..training.indexer import WarmupSpec, measure_recall, warm_up
-from . import ModelState, Operation, StepContext, register
-from .heal import step_work_dir
+from ..recipe.step import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +70,9 @@ class SparsifyAttention(Operation):
         config = state.config
         if config.model_type == SurgeonSparseLlamaConfig.model_type:
             raise ParamError((), "the model already has sparse attention")
-        if config.model_type != "llama":
-            raise ParamError((), f"sparse attention is built for Llama-architecture models (SmolLM2, Llama); "
+        if not families.is_sparse_base(config.model_type):
+            raise ParamError((), f"sparse attention is built for Llama-architecture models "
+                                 f"({', '.join(families.sparse_base_types())}: SmolLM2, Llama); "
                                  f"this model is {config.model_type!r}")
         layers = expand_layers(params.layers, config.num_hidden_layers, ("layers",)) if params.layers else None
         if params.recall is not None:
@@ -111,8 +111,8 @@ class SparsifyAttention(Operation):
             files, windows = ctx.text_windows("warmup", spec.data, patient.tokenizer)
             held = min(spec.heldout_windows, max(0, windows.shape[0] - 1))
             train_ids, heldout_ids = windows[: windows.shape[0] - held], windows[windows.shape[0] - held:]
-            digest = hashlib.sha256(f"{ctx.recipe_digest}|{ctx.index}|{windows_digest(windows)}|warmup".encode()).hexdigest()[:16]
-            with step_work_dir(ctx) as work:
+            digest = ctx.run_digest(windows_digest(windows), "warmup")
+            with ctx.checkpoint_dir() as work:
                 result = warm_up(sparse, train_ids, heldout_ids, spec, checkpoint_dir=work / f"indexer-step{ctx.index}",
                                  resume=ctx.resume, run_digest=digest)
             details["warmup"] = {"training": result.summary(), "curve": result.curve, "heldout": result.evals,

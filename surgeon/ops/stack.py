@@ -13,12 +13,12 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import architecture
+from ..surgery import architecture
 from ..errors import ParamError
-from ..patient import Patient, Provenance
-from ..sources import Source
-from . import BASE, PATIENT, ModelState, Operation, StepContext, register
-from ..layer_spec import LayerList, expand_layers, format_ranges
+from ..recipe.patient import Patient, Provenance
+from ..checkpoints.sources import Source
+from ..recipe.step import BASE, PATIENT, ModelState, Operation, StepContext, register
+from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
 
 
 class Slice(BaseModel):

@@ -9,7 +9,6 @@ renamed, so a kill during a save leaves the previous checkpoint intact.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..cache import temporary_sibling
+from ..checkpoints.atomic import atomic_folder
 from ..errors import SurgeonError
 
 KEEP = 2  # the newest checkpoints kept; older ones are deleted after a successful save
@@ -27,9 +26,7 @@ def save_checkpoint(folder: Path, step: int, trainable: dict[str, torch.Tensor],
                     extra: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"step-{step:06d}"
-    tmp = temporary_sibling(target)
-    tmp.mkdir()
-    try:
+    with atomic_folder(target) as tmp:
         tensors = {f"param.{name}": t.detach().contiguous() for name, t in trainable.items()}
         opt_state = optimizer.state_dict()
         scalars: dict = {}
@@ -53,10 +50,6 @@ def save_checkpoint(folder: Path, step: int, trainable: dict[str, torch.Tensor],
             **extra,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=_json_default))
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in sorted(folder.glob("step-*"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return target

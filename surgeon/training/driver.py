@@ -89,105 +89,151 @@ def drive(spec, accelerator, trainable: dict[str, torch.nn.Parameter], body: tor
     (forward and backward through `body` as accelerate prepared it) and returns its measures and
     target-token count; `evaluate(body)` returns held-out measures, in which `metric` is lower-better,
     or None when nothing is held out."""
-    params = list(trainable.values())
-    optimizer = torch.optim.AdamW(params, lr=spec.optimizer.lr, betas=spec.optimizer.betas,
-                                  weight_decay=spec.optimizer.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(spec.optimizer, spec.steps))
-    body, optimizer = accelerator.prepare(body, optimizer)
-
-    start, early = 0, {"best": math.inf, "bad": 0, "best_step": None}
-    best_tensors: dict[str, torch.Tensor] | None = None
-    latest = latest_checkpoint(checkpoint_dir) if resume else None
-    if latest is not None:
-        meta = load_checkpoint(latest, trainable, optimizer, scheduler)
-        if meta.get("run_digest") != run_digest:
-            raise SurgeonError(f"{latest} was written by a different recipe or data; remove it or run without --resume")
-        start, early = meta["step"], meta["early_stop"]
-        result.curve, result.evals = meta["curve"], meta["evals"]
-        result.tokens, result.seconds = meta["tokens"], meta["seconds"]
-        if early["best_step"] is not None and spec.eval.patience:
-            from safetensors.torch import load_file
-
-            best_tensors = {k.removeprefix("best."): v for k, v in load_file(str(latest / "best.safetensors")).items()}
-        log.info("resuming at step %d of %d from %s", start, spec.steps, latest)
-    elif (first := evaluate(body)) is not None:  # where training starts from
-        result.evals.append({"step": 0, **first})
-        # The untrained model is a candidate too: a run that only makes things worse keeps it.
-        early.update(best=first[metric], best_step=0)
-        if spec.eval.patience:
-            best_tensors = {k: v.detach().clone() for k, v in trainable.items()}
-
-    def save(step: int) -> None:
-        if not accelerator.is_main_process:
-            return
-        extra = {"run_digest": run_digest, "early_stop": early, "curve": result.curve, "evals": result.evals,
-                 "tokens": result.tokens, "seconds": result.seconds}
-        path = save_checkpoint(checkpoint_dir, step, trainable, optimizer, scheduler, extra)
-        if best_tensors is not None:
-            from safetensors.torch import save_file
-
-            save_file({f"best.{k}": v.contiguous() for k, v in best_tensors.items()}, str(path / "best.safetensors"))
-
+    run = _Run(spec, accelerator, trainable, result, checkpoint_dir, run_digest, metric)
+    body = run.prepare(body)
+    start = run.resume_or_begin(evaluate, body) if resume else run.begin(evaluate, body)
     bar = tqdm(total=spec.steps, initial=start, desc=desc, unit="step", disable=not accelerator.is_main_process)
     step, saved_at = start, start
     try:
         while step < spec.steps and not result.stopped_early:
-            began = time.perf_counter()
-            body.train()
-            measures, tokens = one_step(body, step)
-            grad_norm = None
-            if spec.optimizer.max_grad_norm:
-                grad_norm = float(accelerator.clip_grad_norm_(params, spec.optimizer.max_grad_norm))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            measures, tokens, elapsed = run.optimizer_step(one_step, body, step)
             step += 1
-            elapsed = time.perf_counter() - began
-            result.seconds += elapsed
-            result.tokens += tokens
-            if step % spec.log_every == 0 or step == spec.steps:
-                result.curve.append({"step": step, **{k: round(v, 5) for k, v in measures.items()},
-                                     "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                                     "tokens": result.tokens, "tokens_per_second": round(tokens / elapsed, 1),
-                                     "step_seconds": round(elapsed, 3)})
+            run.record(step, measures, tokens, elapsed)
             bar.update(1)
             report_step({"desc": desc, "step": step, "steps": spec.steps, **measures})
             bar.set_postfix(**{k: f"{v:.3f}" for k, v in measures.items() if k in SHOWN},
                             tok_s=f"{tokens / elapsed:.0f}")
             if step % spec.eval.every == 0 or step == spec.steps:
-                measured = evaluate(body)
-                if measured is not None:
-                    result.evals.append({"step": step, **measured})
+                if (measured := evaluate(body)) is not None:
                     bar.write(f"step {step}: held-out " + ", ".join(f"{k} {v:.4f}" for k, v in measured.items()))
-                    if measured[metric] < early["best"] - spec.eval.min_delta:
-                        early.update(best=measured[metric], bad=0, best_step=step)
-                        if spec.eval.patience:
-                            best_tensors = {k: v.detach().clone() for k, v in trainable.items()}
-                    else:
-                        early["bad"] += 1
-                        if spec.eval.patience and early["bad"] >= spec.eval.patience:
-                            result.stopped_early = True
-                            log.info("held-out %s has not improved for %d evaluations: stopping at step %d",
-                                     metric, early["bad"], step)
+                    run.watch(step, measured)
             if step % spec.checkpoint_every == 0 or step == spec.steps or result.stopped_early:
-                save(step)
+                run.save(step)
                 saved_at = step
     except KeyboardInterrupt:
         if step > saved_at:
-            save(step)  # the state after the last whole step, so --resume loses nothing
+            run.save(step)  # the state after the last whole step, so --resume loses nothing
             log.warning("interrupted: checkpoint saved at step %d; continue with --resume", step)
         raise
     finally:
         bar.close()
-    if best_tensors is not None and early["best_step"] != step:
-        with torch.no_grad():
-            for name, param in trainable.items():
-                param.copy_(best_tensors[name])
-        log.log(logging.WARNING if early["best_step"] == 0 else logging.INFO,
-                "keeping the weights of step %s (best held-out %s %.4f)", early["best_step"], metric, early["best"])
-    result.steps_done, result.best_step = step, early["best_step"]
+    run.keep_best(step)
     accelerator.free_memory()
     return result
+
+
+class _Run:
+    """One drive's state: the optimizer and schedule, early stopping with the best weights, and the
+    checkpoints that carry all of it across an interruption."""
+
+    def __init__(self, spec, accelerator, trainable, result: LoopResult, checkpoint_dir: Path, run_digest: str,
+                 metric: str):
+        self.spec, self.accelerator, self.trainable, self.result = spec, accelerator, trainable, result
+        self.checkpoint_dir, self.run_digest, self.metric = checkpoint_dir, run_digest, metric
+        self.params = list(trainable.values())
+        self.early = {"best": math.inf, "bad": 0, "best_step": None}
+        self.best_tensors: dict[str, torch.Tensor] | None = None
+
+    def prepare(self, body: torch.nn.Module) -> torch.nn.Module:
+        opt = self.spec.optimizer
+        optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(opt, self.spec.steps))
+        body, self.optimizer = self.accelerator.prepare(body, optimizer)
+        return body
+
+    def resume_or_begin(self, evaluate, body) -> int:
+        """The step to start from: the latest checkpoint's, else 0 (see begin)."""
+        latest = latest_checkpoint(self.checkpoint_dir)
+        if latest is None:
+            return self.begin(evaluate, body)
+        meta = load_checkpoint(latest, self.trainable, self.optimizer, self.scheduler)
+        if meta.get("run_digest") != self.run_digest:
+            raise SurgeonError(f"{latest} was written by a different recipe or data; remove it or run without --resume")
+        self.early = meta["early_stop"]
+        result = self.result
+        result.curve, result.evals = meta["curve"], meta["evals"]
+        result.tokens, result.seconds = meta["tokens"], meta["seconds"]
+        if self.early["best_step"] is not None and self.spec.eval.patience:
+            from safetensors.torch import load_file
+
+            best = load_file(str(latest / "best.safetensors"))
+            self.best_tensors = {k.removeprefix("best."): v for k, v in best.items()}
+        log.info("resuming at step %d of %d from %s", meta["step"], self.spec.steps, latest)
+        return meta["step"]
+
+    def begin(self, evaluate, body) -> int:
+        """Step 0: the held-out measure where training starts from, if anything is held out."""
+        if (first := evaluate(body)) is not None:
+            self.result.evals.append({"step": 0, **first})
+            # The untrained model is a candidate too: a run that only makes things worse keeps it.
+            self.early.update(best=first[self.metric], best_step=0)
+            if self.spec.eval.patience:
+                self.best_tensors = self._copy()
+        return 0
+
+    def optimizer_step(self, one_step, body, step: int) -> tuple[dict[str, float], int, float]:
+        began = time.perf_counter()
+        body.train()
+        measures, tokens = one_step(body, step)
+        self.grad_norm = None
+        if self.spec.optimizer.max_grad_norm:
+            self.grad_norm = float(self.accelerator.clip_grad_norm_(self.params, self.spec.optimizer.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return measures, tokens, time.perf_counter() - began
+
+    def record(self, step: int, measures: dict[str, float], tokens: int, elapsed: float) -> None:
+        result = self.result
+        result.seconds += elapsed
+        result.tokens += tokens
+        if step % self.spec.log_every == 0 or step == self.spec.steps:
+            result.curve.append({"step": step, **{k: round(v, 5) for k, v in measures.items()},
+                                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": self.grad_norm,
+                                 "tokens": result.tokens, "tokens_per_second": round(tokens / elapsed, 1),
+                                 "step_seconds": round(elapsed, 3)})
+
+    def watch(self, step: int, measured: dict) -> None:
+        """Early stopping on the held-out `metric`, keeping the best weights when patience is set."""
+        self.result.evals.append({"step": step, **measured})
+        early, patience = self.early, self.spec.eval.patience
+        if measured[self.metric] < early["best"] - self.spec.eval.min_delta:
+            early.update(best=measured[self.metric], bad=0, best_step=step)
+            if patience:
+                self.best_tensors = self._copy()
+            return
+        early["bad"] += 1
+        if patience and early["bad"] >= patience:
+            self.result.stopped_early = True
+            log.info("held-out %s has not improved for %d evaluations: stopping at step %d",
+                     self.metric, early["bad"], step)
+
+    def save(self, step: int) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        result = self.result
+        extra = {"run_digest": self.run_digest, "early_stop": self.early, "curve": result.curve,
+                 "evals": result.evals, "tokens": result.tokens, "seconds": result.seconds}
+        path = save_checkpoint(self.checkpoint_dir, step, self.trainable, self.optimizer, self.scheduler, extra)
+        if self.best_tensors is not None:
+            from safetensors.torch import save_file
+
+            save_file({f"best.{k}": v.contiguous() for k, v in self.best_tensors.items()}, str(path / "best.safetensors"))
+
+    def keep_best(self, step: int) -> None:
+        """Put back the best held-out weights (when they are not the last), and record where it ended."""
+        early = self.early
+        if self.best_tensors is not None and early["best_step"] != step:
+            with torch.no_grad():
+                for name, param in self.trainable.items():
+                    param.copy_(self.best_tensors[name])
+            log.log(logging.WARNING if early["best_step"] == 0 else logging.INFO,
+                    "keeping the weights of step %s (best held-out %s %.4f)", early["best_step"], self.metric,
+                    early["best"])
+        self.result.steps_done, self.result.best_step = step, early["best_step"]
+
+    def _copy(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.trainable.items()}
 
 
 def batch_indices(step: int, micro: int, spec, n: int, accelerator) -> torch.Tensor:

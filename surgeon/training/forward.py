@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..surgery.capture import feeding, on_input, on_output
+
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -50,19 +52,10 @@ class TeacherOutput:
 def teacher_forward(teacher, ids: torch.Tensor, prefix: int, capture: list[int]) -> TeacherOutput:
     layers = decoder_layers(teacher)
     taken: dict = {}
-    hooks = []
-    if prefix:
-        hooks.append(layers[prefix].register_forward_pre_hook(
-            lambda _m, args, kwargs: taken.__setitem__("boundary", args[0] if args else kwargs["hidden_states"]),
-            with_kwargs=True))
-    for index in capture:
-        hooks.append(layers[index].register_forward_hook(
-            lambda _m, _a, output, index=index: taken.__setitem__(index, output)))
-    try:
+    store = lambda key, hidden, *_: taken.__setitem__(key, hidden)  # noqa: E731
+    entry = {"boundary": layers[prefix]} if prefix else {}
+    with on_input(entry, store), on_output({index: layers[index] for index in capture}, store):
         final = teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state
-    finally:
-        for hook in hooks:
-            hook.remove()
     # Inference tensors cannot be saved for backward; the student's graph starts from copies.
     boundary = taken["boundary"].clone() if prefix else None
     return TeacherOutput(final, boundary, {i: taken[i] for i in capture})
@@ -79,14 +72,9 @@ class StudentBody(torch.nn.Module):
     def forward(self, input_ids, start_hidden=None, prefix: int = 0, capture: tuple[int, ...] = ()):
         layers = decoder_layers(self.model)
         outputs: dict[int, torch.Tensor] = {}
-        hooks = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, out)) for i in capture]
-        try:
-            with _start_at(layers, prefix, start_hidden):
-                base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-                hidden = base.model(input_ids=input_ids, use_cache=False).last_hidden_state
-        finally:
-            for hook in hooks:
-                hook.remove()
+        with on_output({i: layers[i] for i in capture}, outputs.__setitem__), _start_at(layers, prefix, start_hidden):
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            hidden = base.model(input_ids=input_ids, use_cache=False).last_hidden_state
         return hidden, outputs
 
 
@@ -102,13 +90,10 @@ def _start_at(layers, prefix: int, start_hidden):
         return
     for layer in layers[:prefix]:
         layer.forward = _identity
-    hook = layers[prefix].register_forward_pre_hook(
-        lambda _m, args, kwargs: ((start_hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": start_hidden}),
-        with_kwargs=True)
     try:
-        yield
+        with feeding(layers[prefix], start_hidden):
+            yield
     finally:
-        hook.remove()
         for layer in layers[:prefix]:
             del layer.forward
 

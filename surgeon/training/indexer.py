@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..data import TextData
+from ..text import TextData
 from ..modeling.sparse_attention import mean_indexer_loss, sparse_modules
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .loop import EvalSpec, OptimSpec

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..metrics import compare_to_parent, parent_reference
+from ..measure.metrics import compare_to_parent, parent_reference
 from ..modeling.sparse_attention import mean_indexer_loss, sparse_modules
-from .data import TrainSet
+from .text_set import TrainSet
 from .distill_loss import DenseTeacher, LossConfig, distill_loss
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .forward import StudentBody, head_weight, logit_softcap, shared_prefix_length, teacher_forward

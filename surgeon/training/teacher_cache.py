@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..architecture import output_logits
-from ..cache import cache_dir, temporary_sibling
+from ..surgery.architecture import output_logits
+from ..checkpoints.atomic import atomic_file
+from ..checkpoints.cache import cache_dir
 from .distill_loss import TopKTeacher
 
 
@@ -48,7 +49,6 @@ class TeacherCache:
         hidden = self.teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
         logits = output_logits(self.teacher, hidden)
         values, indices = logits.topk(self.top_k, dim=-1)
-        tmp = temporary_sibling(path)
-        save_file({"indices": indices.int().cpu(), "logits": values.float().cpu(),
-                   "logsumexp": logits.logsumexp(-1).float().cpu()}, str(tmp))
-        tmp.rename(path)
+        with atomic_file(path) as tmp:
+            save_file({"indices": indices.int().cpu(), "logits": values.float().cpu(),
+                       "logsumexp": logits.logsumexp(-1).float().cpu()}, str(tmp))

@@ -11,9 +11,10 @@ import re
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from .. import families
 from ..errors import ParamError
-from ..layer_spec import LayerList, expand_layers
-from ..selection import select, unmatched_patterns
+from ..recipe.layer_spec import LayerList, expand_layers
+from ..surgery.selection import select, unmatched_patterns
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -63,7 +64,7 @@ def _lora_layers(lora: LoraSpec, n_layers: int, path: tuple) -> list[int] | None
 
 def _text_config(model):
     config = model.config
-    return config.text_config if getattr(config, "model_type", None) == "surgeon_vlm" else config
+    return config.text_config if families.is_surgeon_vlm(config) else config
 
 
 def lora_target_modules(model, lora: LoraSpec, layers: list[int] | None) -> dict[str, torch.nn.Linear]:

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 import torch
 from tqdm.auto import tqdm
 
-from .data import VisionExample
+from .image_set import VisionExample
 
 MAX_NEW_TOKENS = 8
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import families
 from ..errors import SourceError
 from .towers import timm_tower, transformers_tower
 
-VISION_TYPES = {"clip": "clip", "clip_vision_model": "clip", "siglip": "siglip", "siglip_vision_model": "siglip"}
 # Defaults when a folder has no preprocessor_config.json (the families' published statistics).
 FAMILY_STATS = {"clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
                 "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
@@ -97,11 +97,11 @@ def read_vision_folder(folder: Path) -> tuple[str, object]:
     if not (folder / "config.json").is_file():
         raise SourceError(f"{folder} is not a transformers folder (no config.json)")
     config = AutoConfig.from_pretrained(folder)
-    if config.model_type in VISION_TYPES:
-        return VISION_TYPES[config.model_type], config
+    if families.vision_tower_kind(config.model_type):
+        return families.vision_tower_kind(config.model_type), config
     vision = getattr(config, "vision_config", None)
-    if getattr(config, "model_type", "") == "llava" and vision is not None and vision.model_type in VISION_TYPES:
-        return "llava", config
+    if families.is_llava(config) and vision is not None and families.vision_tower_kind(vision.model_type):
+        return families.LLAVA, config
     raise SourceError(f"{folder}: a {config.model_type!r} model; expected CLIP, SigLIP or a LLaVA-style VLM "
                       "with a CLIP/SigLIP vision tower")
 
@@ -112,7 +112,7 @@ def transformers_donor(folder: Path, layer: int | None, drop_cls: bool | None, t
     from transformers import AutoModel, CLIPVisionModel, LlavaForConditionalGeneration, SiglipVisionModel
 
     family, config = read_vision_folder(folder)
-    if family == "llava":
+    if family == families.LLAVA:
         vision = config.vision_config
         # The donor's own feature choice is the default: its projector was trained on it.
         feature_layer = config.vision_feature_layer
@@ -129,7 +129,7 @@ def transformers_donor(folder: Path, layer: int | None, drop_cls: bool | None, t
             model = AutoModel.from_config(vision)
     elif not any(folder.glob("*.safetensors")):
         raise SourceError(f"{folder} has no safetensors weights (pickled .bin files are not read)")
-    elif family == "llava":
+    elif family == families.LLAVA:
         vlm = LlavaForConditionalGeneration.from_pretrained(folder, use_safetensors=True)
         model = vlm.model.vision_tower
         if take_projector:
@@ -138,7 +138,7 @@ def transformers_donor(folder: Path, layer: int | None, drop_cls: bool | None, t
     else:
         cls = CLIPVisionModel if family == "clip" else SiglipVisionModel
         model = cls.from_pretrained(folder, use_safetensors=True)
-    family = VISION_TYPES[vision.model_type]
+    family = families.vision_tower_kind(vision.model_type)
     model.eval()
     tower = transformers_tower(model, -1 if layer is None else layer, True if drop_cls is None else drop_cls)
     stats = _processor_stats(folder) or FAMILY_STATS[family]

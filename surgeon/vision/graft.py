@@ -11,6 +11,7 @@ import copy
 
 import torch
 
+from .. import families
 from ..modeling import SurgeonVLMConfig, SurgeonVLMForConditionalGeneration
 from ..modeling.projector import Projector
 from .donors import Donor
@@ -100,4 +101,4 @@ def processor_for(model, tokenizer) -> VLMProcessor:
 
 
 def is_vlm(model) -> bool:
-    return getattr(model.config, "model_type", None) == SurgeonVLMConfig.model_type
+    return families.is_surgeon_vlm(model.config)

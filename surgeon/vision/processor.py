@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
-from ..training.data import Document, chat_ids, render_chat
+from ..chat import Document, chat_ids, render_chat
 
 IMAGE_TOKEN = "<image>"
 

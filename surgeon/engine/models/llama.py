@@ -15,7 +15,6 @@ from torch import nn
 from ..attention import dense_attention, sparse_topk_attention
 from ..batch import StepBatch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "surgeon_sparse_llama")
 
 
 class RMSNorm(nn.Module):
@@ -125,7 +124,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaEngineModel(nn.Module):
-    """Built from a loaded transformers `*ForCausalLM` of one of FAMILIES (its weights are shared,
+    """Built from a loaded transformers `*ForCausalLM` of one of families.engine_types() (its weights are shared,
     q/k/v and gate/up copied once into fused matrices)."""
 
     def __init__(self, causal_lm: nn.Module):

@@ -1,0 +1,44 @@
+"""Chat rendering and tokenising, shared by training data, the engine and the evaluations: a
+conversation through the tokenizer's chat template, and which of its tokens are assistant turns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import DataError
+
+
+@dataclass
+class Document:
+    ids: list[int]
+    mask: list[bool]
+
+
+def render_chat(tokenizer, messages: list[dict], assistant_only: bool, where: str = "chat") -> Document:
+    """Render with the chat template; with assistant_only, only assistant turns are targets.
+
+    Assistant spans are found by rendering each prefix of the conversation, which works for any
+    template that renders a prefix as a prefix (ChatML, Llama, Gemma).
+    """
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise DataError(f"{where}: 'messages' must be a list of {{role, content}}")
+    if tokenizer.chat_template is None:
+        raise DataError(f"{where}: chat data needs a tokenizer with a chat template")
+    ids = chat_ids(tokenizer, messages, generation_prompt=False)
+    mask = [not assistant_only] * len(ids)
+    if assistant_only:
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = len(chat_ids(tokenizer, messages[:i], generation_prompt=True))
+            end = len(chat_ids(tokenizer, messages[: i + 1], generation_prompt=False))
+            for t in range(start, min(end, len(ids))):
+                mask[t] = True
+    return Document(ids, mask)
+
+
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    if not messages:
+        return []
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
