@@ -32,7 +32,7 @@ def text_tokens(tokenizer, count: int, offset: int = 0) -> list[int]:
     """Real prose (held-out Austen) when the shared data is there, else a fixed pseudo-random run."""
     if TEXT.is_file():
         ids = tokenizer(TEXT.read_text(encoding="utf-8")[:400_000])["input_ids"]
-        return ids[offset:offset + count]
+        return ids[offset : offset + count]
     generator = torch.Generator().manual_seed(offset)
     return torch.randint(100, 40_000, (count,), generator=generator).tolist()
 
@@ -51,9 +51,15 @@ def hf_model(path: str):
 
 def hf_generate(model, ids: list[int], new: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def params(new: int):
@@ -73,10 +79,13 @@ def section_decode(args, state) -> None:
 
     llm, hf = state["dense"], state["hf"]
     ids = text_tokens(llm.tokenizer, 128)
-    engines = {"engine fp32": llm, "engine bf16": LLM(args.dense, dtype="bfloat16"),
-               "engine fp32 compiled": LLM(args.dense, compile=True),
-               "engine int8": LLM(args.dense, quantize="int8"),
-               "engine int8 compiled": LLM(args.dense, quantize="int8", compile=True)}
+    engines = {
+        "engine fp32": llm,
+        "engine bf16": LLM(args.dense, dtype="bfloat16"),
+        "engine fp32 compiled": LLM(args.dense, compile=True),
+        "engine int8": LLM(args.dense, quantize="int8"),
+        "engine int8 compiled": LLM(args.dense, quantize="int8", compile=True),
+    }
     runs = {"transformers": [], **{name: [] for name in engines}}
     hf_generate(hf, ids, 8)  # warm-up
     for engine in engines.values():  # warm-up (and torch.compile's one-time compile)
@@ -84,7 +93,7 @@ def section_decode(args, state) -> None:
     for _ in range(args.repeats):
         runs["transformers"].append(128 / timed(lambda: hf_generate(hf, ids, 128)))
         for name, engine in engines.items():
-            runs[name].append(128 / timed(lambda: engine.generate([ids], params(128))))
+            runs[name].append(128 / timed(lambda engine=engine: engine.generate([ids], params(128))))
     base = statistics.median(runs["transformers"])
     state["hf_tokens_per_s"] = base
     print(f"decode, batch 1, 128 prompt + 128 new tokens (median of {args.repeats}, tokens/s incl. prefill):")
@@ -100,8 +109,10 @@ def section_batch(args, state) -> None:
     rates = [16 * 128 / timed(lambda: llm.generate(prompts, params(128))) for _ in range(args.repeats)]
     base = state.get("hf_tokens_per_s") or 128 / timed(lambda: hf_generate(state["hf"], prompts[0], 128))
     rate = statistics.median(rates)
-    print(f"16 concurrent requests, 128 + 128 tokens: engine {rate:.1f} tokens/s in total; sequential "
-          f"transformers generate {base:.1f} tokens/s -> {rate / base:.2f}x")
+    print(
+        f"16 concurrent requests, 128 + 128 tokens: engine {rate:.1f} tokens/s in total; sequential "
+        f"transformers generate {base:.1f} tokens/s -> {rate / base:.2f}x"
+    )
 
 
 def first_token_time(llm, prompt) -> float:
@@ -122,11 +133,13 @@ def section_prefix(args, state) -> None:
         system = tok.decode(system_ids)
         ask = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: who is speaking?"}]
         other = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: where are they?"}]
-        cold.append(first_token_time(llm, ask))    # a new system prompt: nothing cached
+        cold.append(first_token_time(llm, ask))  # a new system prompt: nothing cached
         warm.append(first_token_time(llm, other))  # the same system prompt: its blocks are cached
     a, b = statistics.median(cold), statistics.median(warm)
-    print(f"time to first token, 512-token system prompt: miss {a * 1000:.0f} ms, hit {b * 1000:.0f} ms "
-          f"-> {a / b:.1f}x faster with the prefix cache")
+    print(
+        f"time to first token, 512-token system prompt: miss {a * 1000:.0f} ms, hit {b * 1000:.0f} ms "
+        f"-> {a / b:.1f}x faster with the prefix cache"
+    )
 
 
 def decode_step_time(llm, context: int, steps: int) -> float:
@@ -174,12 +187,19 @@ def section_exact(args, state) -> None:
             quantized = LLM(path, quantize="int8")
             close = [out.token_ids for out in quantized.generate(prompts, params(args.exact_tokens))]
             agree = [next((i for i, (a, b) in enumerate(zip(c, w)) if a != b), len(w)) for c, w in zip(close, want)]
-            print(f"  int8 weights: {sum(c == w for c, w in zip(close, want))}/20 identical; "
-                  f"tokens before the first difference: mean {statistics.mean(agree):.1f} of {args.exact_tokens}")
+            print(
+                f"  int8 weights: {sum(c == w for c, w in zip(close, want))}/20 identical; "
+                f"tokens before the first difference: mean {statistics.mean(agree):.1f} of {args.exact_tokens}"
+            )
 
 
-SECTIONS = {"decode": section_decode, "batch": section_batch, "prefix": section_prefix,
-            "sparse": section_sparse, "exact": section_exact}
+SECTIONS = {
+    "decode": section_decode,
+    "batch": section_batch,
+    "prefix": section_prefix,
+    "sparse": section_sparse,
+    "exact": section_exact,
+}
 
 
 def main() -> None:

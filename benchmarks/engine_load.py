@@ -23,9 +23,16 @@ import httpx
 import openai
 
 QUESTIONS = [
-    "Write one sentence about the sea.", "What is the capital of France?", "Name three colours.",
-    "Give me a short greeting.", "What is two plus two?", "Describe a cat in a few words.",
-    "Suggest a name for a dog.", "What do bees make?", "Say something kind.", "What is rain?",
+    "Write one sentence about the sea.",
+    "What is the capital of France?",
+    "Name three colours.",
+    "Give me a short greeting.",
+    "What is two plus two?",
+    "Describe a cat in a few words.",
+    "Suggest a name for a dog.",
+    "What do bees make?",
+    "Say something kind.",
+    "What is rain?",
 ]
 
 
@@ -33,8 +40,18 @@ def start_server(model: str, max_num_seqs: int, device: str | None) -> tuple[sub
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "surgeon", "-q", "serve", model, "--port", str(port),
-               "--max-num-seqs", str(max_num_seqs)] + (["--device", device] if device else [])
+    command = [
+        sys.executable,
+        "-m",
+        "surgeon",
+        "-q",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ] + (["--device", device] if device else [])
     server = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -64,9 +81,15 @@ async def load(url: str, requests: int, clients: int, max_tokens: int, stream: b
         messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         started = time.perf_counter()
         if stream:
-            chunks = await api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                       temperature=0.7, seed=i, stream=True,
-                                                       stream_options={"include_usage": True})
+            chunks = await api.chat.completions.create(
+                model=model,
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=0.7,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             first = None
             async for chunk in chunks:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -75,8 +98,9 @@ async def load(url: str, requests: int, clients: int, max_tokens: int, stream: b
                     tokens[0] += chunk.usage.completion_tokens
             first_tokens.append(first if first is not None else time.perf_counter() - started)
         else:
-            reply = await api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                      temperature=0.7, seed=i)
+            reply = await api.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens, temperature=0.7, seed=i
+            )
             tokens[0] += reply.usage.completion_tokens
         latencies.append(time.perf_counter() - started)
 
@@ -90,8 +114,14 @@ async def load(url: str, requests: int, clients: int, max_tokens: int, stream: b
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return {"model": model, "wall": time.perf_counter() - started, "latencies": sorted(latencies),
-            "first_tokens": sorted(first_tokens), "tokens": tokens[0], "errors": errors}
+    return {
+        "model": model,
+        "wall": time.perf_counter() - started,
+        "latencies": sorted(latencies),
+        "first_tokens": sorted(first_tokens),
+        "tokens": tokens[0],
+        "errors": errors,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -131,14 +161,19 @@ def main() -> None:
 
     ok, failed = len(result["latencies"]), len(result["errors"])
     lat, ttft = result["latencies"], result["first_tokens"]
-    print(f"model {result['model']}: {args.requests} requests from {args.clients} concurrent clients, "
-          f"max_tokens {args.max_tokens}, {'streamed' if not args.no_stream else 'whole replies'}")
+    print(
+        f"model {result['model']}: {args.requests} requests from {args.clients} concurrent clients, "
+        f"max_tokens {args.max_tokens}, {'streamed' if not args.no_stream else 'whole replies'}"
+    )
     print(f"requests ok {ok}  failed {failed}")
     print(f"latency p50 {percentile(lat, 50):.3f} s  p99 {percentile(lat, 99):.3f} s  max {percentile(lat, 100):.3f} s")
     if ttft:
         print(f"time to first token p50 {percentile(ttft, 50):.3f} s  p99 {percentile(ttft, 99):.3f} s")
-    print(f"generated {result['tokens']} tokens in {result['wall']:.1f} s: {result['tokens'] / result['wall']:.1f} tokens/s "
-          f"({ok / result['wall']:.2f} requests/s)")
+    print(
+        f"generated {result['tokens']} tokens in {result['wall']:.1f} s: "
+        f"{result['tokens'] / result['wall']:.1f} tokens/s "
+        f"({ok / result['wall']:.2f} requests/s)"
+    )
     for error in result["errors"][:5]:
         print(error, file=sys.stderr)
     sys.exit(1 if failed or ok != args.requests else 0)

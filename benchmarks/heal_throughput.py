@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from surgeon.surgery.architecture import keep_layers
-from surgeon.runtime import limit_heap_fragmentation
 from surgeon.checkpoints.sources import resolve_source
-from surgeon.training.heal_data import HealData, DataSource
-from surgeon.training.text_set import build_train_set
+from surgeon.runtime import limit_heap_fragmentation
+from surgeon.surgery.architecture import keep_layers
 from surgeon.training.driver import resolve_precision
+from surgeon.training.heal_data import DataSource, HealData
 from surgeon.training.loop import LoopSpec, train
+from surgeon.training.text_set import build_train_set
 from surgeon.training.trainable import TrainSpec, prepare_student
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "austen" / "emma.txt"
@@ -44,26 +44,51 @@ def main() -> None:
     for p in teacher.parameters():
         p.requires_grad_(False)
     tokenizer = source.load_tokenizer()
-    data = build_train_set(HealData(sources=[DataSource(text=str(TEXT))], window=args.window, heldout_windows=0,
-                                    tokens=(args.steps + 2) * args.batch * args.window),
-                           {0: [TEXT]}, tokenizer)
+    data = build_train_set(
+        HealData(
+            sources=[DataSource(text=str(TEXT))],
+            window=args.window,
+            heldout_windows=0,
+            tokens=(args.steps + 2) * args.batch * args.window,
+        ),
+        {0: [TEXT]},
+        tokenizer,
+    )
     precision = resolve_precision(args.precision, torch.device("cpu"))
     globs = args.train.split(",")
     kept = [i for i in range(30) if not 13 <= i < 19]
     tokens_per_step = args.batch * args.window
-    print(f"teacher SmolLM2-135M-Instruct, student without layers 13-18, training {globs}; "
-          f"batch {args.batch} x {args.window} tokens, {precision}, {torch.get_num_threads()} threads")
+    print(
+        f"teacher SmolLM2-135M-Instruct, student without layers 13-18, training {globs}; "
+        f"batch {args.batch} x {args.window} tokens, {precision}, {torch.get_num_threads()} threads"
+    )
 
     baseline = trainer_tokens_per_second(teacher, keep_layers(teacher, kept), globs, data, args, precision)
     print(f"transformers Trainer subclass : {baseline:7.1f} tokens/s")
 
     student, trainable = prepare_student(keep_layers(teacher, kept), TrainSpec(params=globs))
-    spec = LoopSpec(steps=args.steps + 2, batch_size=args.batch, precision=precision, checkpoint_every=10**6,
-                    log_every=1, optimizer={"warmup_steps": 0})
+    spec = LoopSpec(
+        steps=args.steps + 2,
+        batch_size=args.batch,
+        precision=precision,
+        checkpoint_every=10**6,
+        log_every=1,
+        optimizer={"warmup_steps": 0},
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        result = train(student, trainable, teacher, data, spec, teacher_fingerprint=source.fingerprint(),
-                       teacher_is_parent=True, layer_origin=kept, checkpoint_dir=Path(tmp), resume=False,
-                       run_digest="benchmark")
+        result = train(
+            student,
+            trainable,
+            teacher,
+            data,
+            spec,
+            teacher_fingerprint=source.fingerprint(),
+            teacher_is_parent=True,
+            layer_origin=kept,
+            checkpoint_dir=Path(tmp),
+            resume=False,
+            run_digest="benchmark",
+        )
     timed = result.curve[2:]  # the same two warm-up steps left out
     ours = tokens_per_step / (sum(c["step_seconds"] for c in timed) / len(timed))
     print(f"surgeon heal                  : {ours:7.1f} tokens/s  (first {result.shared_prefix} layers shared)")
@@ -107,13 +132,26 @@ def trainer_tokens_per_second(teacher, student, globs, data, args, precision) ->
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as tmp:
         training_args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=args.batch, max_steps=args.steps + 2, learning_rate=2e-4,
-            bf16=precision == "bf16", use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
-            logging_strategy="no", dataloader_num_workers=0, remove_unused_columns=False, max_grad_norm=1.0,
+            output_dir=tmp,
+            per_device_train_batch_size=args.batch,
+            max_steps=args.steps + 2,
+            learning_rate=2e-4,
+            bf16=precision == "bf16",
+            use_cpu=not torch.cuda.is_available(),
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            dataloader_num_workers=0,
+            remove_unused_columns=False,
+            max_grad_norm=1.0,
         )
-        trainer = DistillTrainer(model=student, args=training_args, train_dataset=dataset,
-                                 data_collator=lambda rows: {"input_ids": torch.stack([r["input_ids"] for r in rows])},
-                                 callbacks=[timer])
+        trainer = DistillTrainer(
+            model=student,
+            args=training_args,
+            train_dataset=dataset,
+            data_collator=lambda rows: {"input_ids": torch.stack([r["input_ids"] for r in rows])},
+            callbacks=[timer],
+        )
         trainer.train()
     timed = timer.times[2:]
     return args.batch * args.window / (sum(timed) / len(timed))

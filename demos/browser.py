@@ -23,8 +23,15 @@ def bot_text(page) -> str:
     return replies.last.inner_text().strip() if replies.count() else ""
 
 
-def ask(url: str, question: str, image: Path | None, screenshot: Path, timeout: float = 120.0,
-        settle: float = 3.0, chromium: str = CHROMIUM) -> tuple[str, list[str]]:
+def ask(
+    url: str,
+    question: str,
+    image: Path | None,
+    screenshot: Path,
+    timeout: float = 120.0,
+    settle: float = 3.0,
+    chromium: str = CHROMIUM,
+) -> tuple[str, list[str]]:
     """(final answer, every distinct answer text seen while it streamed). The answer is final once
     it has not changed for `settle` seconds."""
     from playwright.sync_api import sync_playwright

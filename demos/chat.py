@@ -52,17 +52,35 @@ def build_demo(model: str | None = None, *, engine_options: dict | None = None) 
                     with gr.Column(scale=3):
                         model_line = gr.Markdown(elem_id="model-choice")
                         gr.ChatInterface(
-                            respond, multimodal=True, api_name="chat", fill_height=False,
+                            respond,
+                            multimodal=True,
+                            api_name="chat",
+                            fill_height=False,
                             chatbot=gr.Chatbot(elem_id="chatbot", height=480, label="Chat"),
-                            textbox=gr.MultimodalTextbox(elem_id="chat-input", file_types=["image"],
-                                                         placeholder="Ask something; attach an image with the clip"),
+                            textbox=gr.MultimodalTextbox(
+                                elem_id="chat-input",
+                                file_types=["image"],
+                                placeholder="Ask something; attach an image with the clip",
+                            ),
                             additional_inputs=[
-                                gr.Slider(0, 2, 0.7, step=0.05, label="temperature (0: greedy)", elem_id="temperature", render=False),
+                                gr.Slider(
+                                    0,
+                                    2,
+                                    0.7,
+                                    step=0.05,
+                                    label="temperature (0: greedy)",
+                                    elem_id="temperature",
+                                    render=False,
+                                ),
                                 gr.Slider(0.05, 1, 0.9, step=0.05, label="top-p", elem_id="top-p", render=False),
                                 gr.Slider(0, 200, 0, step=1, label="top-k (0: off)", elem_id="top-k", render=False),
-                                gr.Slider(1, 1024, 256, step=1, label="max new tokens", elem_id="max-tokens", render=False),
+                                gr.Slider(
+                                    1, 1024, 256, step=1, label="max new tokens", elem_id="max-tokens", render=False
+                                ),
                             ],
-                            additional_inputs_accordion=gr.Accordion("Sampling", open=False, elem_id="sampling", render=False),
+                            additional_inputs_accordion=gr.Accordion(
+                                "Sampling", open=False, elem_id="sampling", render=False
+                            ),
                         )
                     with gr.Column(scale=2, elem_id="model-card"):
                         card_text = gr.Markdown(elem_id="model-card-text")
@@ -74,8 +92,14 @@ def build_demo(model: str | None = None, *, engine_options: dict | None = None) 
     return demo
 
 
-def launch(model: str | None = None, *, host: str = "127.0.0.1", port: int = 7860,
-           engine_options: dict | None = None, **launch_options) -> gr.Blocks:
+def launch(
+    model: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    engine_options: dict | None = None,
+    **launch_options,
+) -> gr.Blocks:
     demo = build_demo(model, engine_options=engine_options)
     demo.launch(server_name=host, server_port=port, **launch_options)
     return demo

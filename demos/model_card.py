@@ -17,8 +17,10 @@ def read_card(path: str) -> ModelCard:
     folder = Path(path)
     readme = folder / "README.md"
     if not readme.is_file():
-        return ModelCard(f"**{folder.name}** is not a surgeon export: no surgery was done, so there is no "
-                         "model card or metrics to show.")
+        return ModelCard(
+            f"**{folder.name}** is not a surgeon export: no surgery was done, so there is no "
+            "model card or metrics to show."
+        )
     plots = [(png, png.stem.replace("-", " ")) for png in sorted(folder.glob("*.png"))]
     return ModelCard(_without_front_matter(readme.read_text(encoding="utf-8")), plots)
 
@@ -28,5 +30,5 @@ def _without_front_matter(text: str) -> str:
     if text.startswith("---\n"):
         end = text.find("\n---\n", 4)
         if end != -1:
-            return text[end + 5:].lstrip()
+            return text[end + 5 :].lstrip()
     return text

@@ -22,8 +22,8 @@ class ModelChoice:
 def choose_model(path: str | None = None, vision_recipe: Path = VISION_RECIPE) -> ModelChoice:
     if path:
         return ModelChoice(str(path), "the model you named")
-    from surgeon.recipe.schema import load_recipe
     from surgeon.recipe.run import export_target
+    from surgeon.recipe.schema import load_recipe
 
     try:
         target = export_target(load_recipe(vision_recipe), None)  # where `surgeon run` writes it
@@ -31,5 +31,7 @@ def choose_model(path: str | None = None, vision_recipe: Path = VISION_RECIPE) -
         return ModelChoice(DEFAULT_MODEL, f"the base model: the vision recipe cannot be read ({exc})")
     if (target / "config.json").is_file():
         return ModelChoice(str(target), f"the export of the vision recipe {vision_recipe.name}, found at {target}")
-    return ModelChoice(DEFAULT_MODEL, f"the base model: the vision recipe has no export at {target} yet "
-                                      f"(`surgeon run {vision_recipe}` makes one)")
+    return ModelChoice(
+        DEFAULT_MODEL,
+        f"the base model: the vision recipe has no export at {target} yet (`surgeon run {vision_recipe}` makes one)",
+    )

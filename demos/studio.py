@@ -41,10 +41,10 @@ def save_recipe(path: str, text: str) -> str:
     return f"saved {target}"
 
 
-def run_studio_recipe(path: str, text: str, overwrite: bool, progress=gr.Progress()):
+def run_studio_recipe(path: str, text: str, overwrite: bool, progress=gr.Progress()):  # noqa: B008 - Gradio finds its tracker by this default
     """Yields (status, loss table, open-button update, export path) as the run goes."""
-    from surgeon.recipe.schema import load_recipe
     from surgeon.recipe.run import run_recipe
+    from surgeon.recipe.schema import load_recipe
     from surgeon.training.progress import watch_training
 
     try:
@@ -89,30 +89,42 @@ def build_studio(session, shown_model, *, tabs: gr.Tabs, shown: list) -> None:
     tab's `shown` components, refreshed once a run's export is opened in the chat."""
     start = str(VISION_RECIPE) if VISION_RECIPE.is_file() else "recipe.yaml"
     with gr.Row():
-        path = gr.Textbox(start, label="recipe file (relative paths in it are read from its folder)",
-                          elem_id="studio-path", scale=4)
+        path = gr.Textbox(
+            start, label="recipe file (relative paths in it are read from its folder)", elem_id="studio-path", scale=4
+        )
         load = gr.Button("Load", elem_id="studio-load", scale=1)
         save = gr.Button("Save", elem_id="studio-save", scale=1)
     with gr.Row():
         with gr.Column(scale=3):
-            editor = gr.Code(read_recipe(start) if Path(start).is_file() else "", language="yaml",
-                             label="recipe", interactive=True, elem_id="studio-editor")
+            editor = gr.Code(
+                read_recipe(start) if Path(start).is_file() else "",
+                language="yaml",
+                label="recipe",
+                interactive=True,
+                elem_id="studio-editor",
+            )
         with gr.Column(scale=2):
             plan = gr.Textbox(label="plan", lines=14, max_lines=40, elem_id="studio-plan")
             with gr.Row():
                 overwrite = gr.Checkbox(label="overwrite an existing export", elem_id="studio-overwrite")
                 run = gr.Button("Run", variant="primary", elem_id="studio-run")
             status = gr.Textbox(label="status", lines=4, elem_id="studio-status")
-            loss = gr.LinePlot(_loss_table([]), x="step", y="loss", color="loop", label="training loss",
-                               elem_id="studio-loss")
+            loss = gr.LinePlot(
+                _loss_table([]), x="step", y="loss", color="loop", label="training loss", elem_id="studio-loss"
+            )
             open_chat = gr.Button("Open the result in the chat", interactive=False, elem_id="studio-open")
     target = gr.State(None)
 
     load.click(read_recipe, path, editor).then(plan_text, [path, editor], plan)
     save.click(save_recipe, [path, editor], status)
     editor.change(plan_text, [path, editor], plan, trigger_mode="always_last", show_progress="hidden")
-    run.click(run_studio_recipe, [path, editor, overwrite], [status, loss, open_chat, target],
-              concurrency_limit=1, concurrency_id="studio-run")
+    run.click(
+        run_studio_recipe,
+        [path, editor, overwrite],
+        [status, loss, open_chat, target],
+        concurrency_limit=1,
+        concurrency_id="studio-run",
+    )
 
     def open_in_chat(folder):
         if not folder:

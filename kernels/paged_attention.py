@@ -11,8 +11,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .common import dot_precision, tl, triton
 
-def key_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def key_slots(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, S] cache slots (block * block_size + row) of positions 0..S-1 of each sequence, S the
     longest context, and the [B, 1, 1, S] mask of those that exist."""
     longest = int(context_lens.max())
@@ -24,8 +28,9 @@ def key_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size
     return slots, seen[:, None, None]
 
 
-def decode_attention_by_slots(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                              mask: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention_by_slots(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """The reference's arithmetic from precomputed `key_slots` (the CPU engine builds them once per
     step, not once per layer): one fused call, [B, H, 1, D] queries over [B, kv_heads, S, D] keys."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
@@ -35,9 +40,14 @@ def decode_attention_by_slots(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out[:, :, 0]
 
 
-def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                     scale: float) -> torch.Tensor:
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [B, H, D]; block_tables [B, max_blocks] int32 (unused slots any value); context_lens [B] int32,
     the keys each query sees (its own included). Returns [B, H, D]; query head h reads KV head
     h // (H / kv_heads)."""
@@ -45,24 +55,43 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     return decode_attention_by_slots(q, k_cache, v_cache, slots, mask, scale)
 
 
-from .common import dot_precision, tl, triton
-
 # Keys per partition (flash-decoding split) and per tile. Partitions let a few long sequences fill
 # the GPU; their count comes from the block table's width, so a launch never waits on the host.
 PARTITION = 512
 BLOCK_N = 64
 
 
-
 if triton is not None:
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
-                             stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
-                             stride_vb, stride_vs, stride_vh, stride_tb,
-                             GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             PARTITION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    def _paged_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        lens_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        qk_scale,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_tb,
+        GROUP: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        PARTITION: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """One (sequence, KV head, partition): all GROUP query heads of that KV head at once, so each
         key and value is loaded once. Writes the partition's unnormalised output, sum and max (base 2)."""
         seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -71,8 +100,11 @@ if triton is not None:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None] & (d < DIM)[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=(g < GROUP)[:, None] & (d < DIM)[None, :],
+            other=0.0,
+        )
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -85,10 +117,16 @@ if triton is not None:
             page = tl.maximum(page, 0).to(tl.int64)
             row = pos % BLOCK_SIZE
             tile_mask = seen[:, None] & (d < DIM)[None, :]
-            k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
-                        + d[None, :], mask=tile_mask, other=0.0)
-            v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
-                        + d[None, :], mask=tile_mask, other=0.0)
+            k = tl.load(
+                k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=tile_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                mask=tile_mask,
+                other=0.0,
+            )
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(seen[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -102,9 +140,14 @@ if triton is not None:
         tl.store(l_ptr + stat, l_i, mask=g < GROUP)
         tl.store(acc_ptr + stat[:, None] * DIM + d[None, :], acc, mask=(g < GROUP)[:, None] & (d < DIM)[None, :])
 
-    def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+    def paged_decode_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Triton version of paged_decode_attention_reference (context_lens >= 1)."""
         batch, heads, dim = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -112,17 +155,38 @@ if triton is not None:
         q, block_tables = q.contiguous(), block_tables.contiguous()
         parts = triton.cdiv(block_tables.shape[1] * block_size, PARTITION)
         m = q.new_empty(batch, heads, parts, dtype=torch.float32)
-        l = torch.empty_like(m)
+        sums = torch.empty_like(m)
         acc = q.new_empty(batch, heads, parts, dim, dtype=torch.float32)
         group = heads // kv_heads
         _paged_decode_kernel[(batch, kv_heads, parts)](
-            q, k_cache, v_cache, block_tables, context_lens, m, l, acc, scale * math.log2(math.e),
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            GROUP=group, DIM=dim, BLOCK_SIZE=block_size, PARTITION=PARTITION,
-            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-            BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype))
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            m,
+            sums,
+            acc,
+            scale * math.log2(math.e),
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group,
+            DIM=dim,
+            BLOCK_SIZE=block_size,
+            PARTITION=PARTITION,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            BLOCK_N=BLOCK_N,
+            PRECISION=dot_precision(q.dtype),
+        )
         # Merge partitions: rescale each to the common max; empty ones (m = -inf) weigh nothing.
         weight = torch.exp2(m - m.amax(-1, keepdim=True))
-        out = (acc * weight[..., None]).sum(2) / (l * weight).sum(2)[..., None]
+        out = (acc * weight[..., None]).sum(2) / (sums * weight).sum(2)[..., None]
         return out.to(q.dtype)

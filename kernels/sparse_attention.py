@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .common import dot_precision, tl, triton
+
 
 def _gather_rows(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """[T, length, ...]: the first `length` positions of each row's sequence."""
@@ -23,8 +25,14 @@ def _gather_rows(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -
     return rows.reshape(rows.shape[0], blocks * block_size, *cache.shape[2:])[:, :length]
 
 
-def indexer_scores_reference(index_q: torch.Tensor, index_weights: torch.Tensor, index_k_cache: torch.Tensor,
-                             block_tables: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+def indexer_scores_reference(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """score(t, s) = sum_h w_th * ReLU(scale * q_th . k_s), fp32.
 
     index_q [T, heads, dim] (rotary applied); index_weights [T, heads] (any head scaling applied);
@@ -59,8 +67,14 @@ def select_top_k(scores: torch.Tensor, visible: torch.Tensor, top_k: int, sinks:
     return chosen.to(torch.int32)
 
 
-def sparse_paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_tables: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [T, H, D]; block_tables [T, max_blocks]; indices [T, K] key positions, -1 for none.
     Returns [T, H, D]; GQA as in paged_attention.py."""
     rows, heads, dim = q.shape
@@ -77,22 +91,38 @@ def sparse_paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     return torch.einsum("tkgs,tskd->tkgd", probs, v).reshape(rows, heads, dim).to(q.dtype)
 
 
-from .common import dot_precision, tl, triton
-
 # Keys per tile, for the indexer's scores and for the attention over selected keys.
 INDEXER_BLOCK_N = 64
 SPARSE_BLOCK_N = 64
 
 
-
 if triton is not None:
 
     @triton.jit
-    def _indexer_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, visible_ptr, out_ptr, scale, width,
-                        stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_tt, stride_ot,
-                        HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
+    def _indexer_kernel(
+        q_ptr,
+        w_ptr,
+        k_ptr,
+        tables_ptr,
+        visible_ptr,
+        out_ptr,
+        scale,
+        width,
+        stride_qt,
+        stride_qh,
+        stride_wt,
+        stride_kb,
+        stride_ks,
+        stride_tt,
+        stride_ot,
+        HEADS: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """One (row, key tile): every indexer head against the tile's keys, ReLU, weighted head sum."""
         row, tile = tl.program_id(0), tl.program_id(1)
         visible = tl.load(visible_ptr + row)
@@ -100,19 +130,31 @@ if triton is not None:
         seen = pos < visible
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :],
-                    mask=(h < HEADS)[:, None] & (d < DIM)[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :],
+            mask=(h < HEADS)[:, None] & (d < DIM)[None, :],
+            other=0.0,
+        )
         w = tl.load(w_ptr + row * stride_wt + h, mask=h < HEADS, other=0.0).to(tl.float32)
         page = tl.load(tables_ptr + row * stride_tt + pos // BLOCK_SIZE, mask=seen, other=0)
         page = tl.maximum(page, 0).to(tl.int64)
-        keys = tl.load(k_ptr + page[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + d[None, :],
-                       mask=seen[:, None] & (d < DIM)[None, :], other=0.0)
+        keys = tl.load(
+            k_ptr + page[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + d[None, :],
+            mask=seen[:, None] & (d < DIM)[None, :],
+            other=0.0,
+        )
         logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [heads, keys] fp32
         scores = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
         tl.store(out_ptr + row * stride_ot + pos, tl.where(seen, scores, float("-inf")), mask=pos < width)
 
-    def indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k_cache: torch.Tensor,
-                       block_tables: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    def indexer_scores(
+        index_q: torch.Tensor,
+        index_weights: torch.Tensor,
+        index_k_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        visible: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Triton version of indexer_scores_reference."""
         rows, heads, dim = index_q.shape
         assert index_k_cache.stride(-1) == 1, "the index-key cache needs contiguous index_dim"
@@ -122,21 +164,61 @@ if triton is not None:
         out = torch.empty(rows, width, dtype=torch.float32, device=index_q.device)
         grid = (rows, triton.cdiv(width, INDEXER_BLOCK_N))
         _indexer_kernel[grid](
-            index_q, index_weights, index_k_cache, block_tables, visible, out, scale, width,
-            index_q.stride(0), index_q.stride(1), index_weights.stride(0), index_k_cache.stride(0),
-            index_k_cache.stride(1), block_tables.stride(0), out.stride(0),
-            HEADS=heads, DIM=dim, BLOCK_SIZE=index_k_cache.shape[1], BLOCK_H=max(16, triton.next_power_of_2(heads)),
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=INDEXER_BLOCK_N,
-            PRECISION=dot_precision(index_q.dtype))
+            index_q,
+            index_weights,
+            index_k_cache,
+            block_tables,
+            visible,
+            out,
+            scale,
+            width,
+            index_q.stride(0),
+            index_q.stride(1),
+            index_weights.stride(0),
+            index_k_cache.stride(0),
+            index_k_cache.stride(1),
+            block_tables.stride(0),
+            out.stride(0),
+            HEADS=heads,
+            DIM=dim,
+            BLOCK_SIZE=index_k_cache.shape[1],
+            BLOCK_H=max(16, triton.next_power_of_2(heads)),
+            BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            BLOCK_N=INDEXER_BLOCK_N,
+            PRECISION=dot_precision(index_q.dtype),
+        )
         return out
 
     @triton.jit
-    def _sparse_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, idx_ptr, o_ptr, qk_scale, top_k,
-                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                       stride_tt, stride_it, stride_ot, stride_oh,
-                       GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr):
+    def _sparse_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        idx_ptr,
+        o_ptr,
+        qk_scale,
+        top_k,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_tt,
+        stride_it,
+        stride_ot,
+        stride_oh,
+        GROUP: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """One (row, KV head): the GROUP query heads over the row's selected keys, online softmax."""
         row, kv_head = tl.program_id(0), tl.program_id(1)
         g = tl.arange(0, BLOCK_G)
@@ -155,10 +237,16 @@ if triton is not None:
             page = tl.maximum(page, 0).to(tl.int64)
             slot = index % BLOCK_SIZE
             tile_mask = chosen[:, None] & (d < DIM)[None, :]
-            k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                        + d[None, :], mask=tile_mask, other=0.0)
-            v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                        + d[None, :], mask=tile_mask, other=0.0)
+            k = tl.load(
+                k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=tile_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                mask=tile_mask,
+                other=0.0,
+            )
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(chosen[None, :], s, float("-inf"))
             # -1 entries may fill a whole tile: subtract 0 instead of -inf so nothing turns NaN.
@@ -170,11 +258,20 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that selected nothing reads zeros
-        tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=head_mask)
+        tl.store(
+            o_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=head_mask,
+        )
 
-    def sparse_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    def sparse_paged_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        indices: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Triton version of sparse_paged_attention_reference (a row of only -1 gives zeros, not NaN)."""
         rows, heads, dim = q.shape
         kv_heads = k_cache.shape[2]
@@ -183,10 +280,32 @@ if triton is not None:
         out = torch.empty_like(q)
         group = heads // kv_heads
         _sparse_kernel[(rows, kv_heads)](
-            q, k_cache, v_cache, block_tables, indices, out, scale * math.log2(math.e), indices.shape[1],
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), indices.stride(0),
-            out.stride(0), out.stride(1),
-            GROUP=group, DIM=dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=SPARSE_BLOCK_N, PRECISION=dot_precision(q.dtype))
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            indices,
+            out,
+            scale * math.log2(math.e),
+            indices.shape[1],
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            indices.stride(0),
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            DIM=dim,
+            BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            BLOCK_N=SPARSE_BLOCK_N,
+            PRECISION=dot_precision(q.dtype),
+        )
         return out

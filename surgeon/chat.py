@@ -20,7 +20,9 @@ def render_chat(tokenizer, messages: list[dict], assistant_only: bool, where: st
     Assistant spans are found by rendering each prefix of the conversation, which works for any
     template that renders a prefix as a prefix (ChatML, Llama, Gemma).
     """
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages
+    ):
         raise DataError(f"{where}: 'messages' must be a list of {{role, content}}")
     if tokenizer.chat_template is None:
         raise DataError(f"{where}: chat data needs a tokenizer with a chat template")

@@ -80,27 +80,44 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
-    p.add_argument("--max-pending", type=int, default=256,
-                   help="requests that may wait beyond those running; more get 503 (default 256)")
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=256,
+        help="requests that may wait beyond those running; more get 503 (default 256)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--quantize", choices=["int8"],
-                   help="int8 weights on a CPU: faster decoding, outputs close to (not identical with) full precision")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step: faster decoding after a one-time compile")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on a GPU, float32 on a CPU"
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="int8 weights on a CPU: faster decoding, outputs close to (not identical with) full precision",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the decode step: faster decoding after a one-time compile"
+    )
     p.set_defaults(handler=_serve)
 
-    p = sub.add_parser("chat", help="chat with a model in the browser (Gradio), beside its model card and the recipe studio")
-    p.add_argument("model", nargs="?",
-                   help="export folder, Hugging Face folder or alias (default: the vision recipe's export, else the base model)")
+    p = sub.add_parser(
+        "chat", help="chat with a model in the browser (Gradio), beside its model card and the recipe studio"
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="export folder, Hugging Face folder or alias (default: the vision recipe's export, else the base model)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="default 7860")
     p.set_defaults(handler=_chat)
 
-    p = sub.add_parser("analyze", help="per-layer plots (angular distance, block influence, KV heads, "
-                       "indexer recall), an HTML report and a suggested recipe")
+    p = sub.add_parser(
+        "analyze",
+        help="per-layer plots (angular distance, block influence, KV heads, "
+        "indexer recall), an HTML report and a suggested recipe",
+    )
     p.add_argument("model", help="alias, model folder or .gguf file")
     p.add_argument("--data", required=True, nargs="+", help="text files or globs to measure on")
     p.add_argument("--tokens", type=int, default=8192, help="tokens to measure on (default 8192)")
@@ -130,8 +147,8 @@ def _plan(args) -> None:
 
 
 def _run(args) -> None:
-    from .recipe.schema import load_recipe
     from .recipe.run import run_recipe
+    from .recipe.schema import load_recipe
 
     started = time.perf_counter()
     result = run_recipe(load_recipe(args.recipe), out=args.out, overwrite=args.overwrite, resume=args.resume)
@@ -171,10 +188,19 @@ def _push(args) -> None:
 def _serve(args) -> None:
     from .engine.server import ServerLimits, serve
 
-    serve(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs, max_pending=args.max_pending,
-          limits=ServerLimits(request_timeout=args.timeout),
-          log_level="debug" if args.debug else "warning" if args.quiet else "info",
-          device=args.device, dtype=args.dtype, quantize=args.quantize, compile=args.compile)
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_num_seqs=args.max_num_seqs,
+        max_pending=args.max_pending,
+        limits=ServerLimits(request_timeout=args.timeout),
+        log_level="debug" if args.debug else "warning" if args.quiet else "info",
+        device=args.device,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        compile=args.compile,
+    )
 
 
 def _chat(args) -> None:
@@ -195,8 +221,10 @@ def _models(args) -> None:
 def _stage_line(stage: dict) -> str:
     m = stage["metrics"]
     if stage.get("kind", "kl") == "instructions":
-        return (f"{stage['name']}: instructions {m['correct']}/{m['total']} right "
-                f"(parent {m['parent_correct']}/{m['total']})")
+        return (
+            f"{stage['name']}: instructions {m['correct']}/{m['total']} right "
+            f"(parent {m['parent_correct']}/{m['total']})"
+        )
     return _metrics_line(f"{stage['name']} on {stage['data']}", m)
 
 

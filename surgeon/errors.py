@@ -41,6 +41,6 @@ class ParamError(SurgeonError):
         self.message = message
         super().__init__(message)
 
-    def under(self, prefix: tuple) -> "ParamError":
+    def under(self, prefix: tuple) -> ParamError:
         """The same error seen from a parent field (e.g. ("calibration",) + ("text",))."""
         return ParamError(tuple(prefix) + self.path, self.message, node=tuple(prefix) + self.node)

@@ -32,27 +32,56 @@ class Family:
 
 _LM_TESTS = ("test_layers.py", "test_metrics.py", "test_kv_heads.py")
 
-FAMILIES: dict[str, Family] = {row.model_type: row for row in (
-    Family("llama", "lm", surgery=True, engine=True, residual_mlp=True, sparse_base=True,
-           tested=(*_LM_TESTS, "test_export.py", "test_engine.py", "test_sparse_attention.py"),
-           real="SmolLM2-135M-Instruct"),
-    Family("mistral", "lm", surgery=True, engine=True, residual_mlp=True, tested=(*_LM_TESTS, "test_engine.py")),
-    Family("qwen2", "lm", surgery=True, engine=True, residual_mlp=True, tested=(*_LM_TESTS, "test_engine.py")),
-    Family("qwen3", "lm", surgery=True, engine=True, residual_mlp=True, qk_norm=True,
-           tested=(*_LM_TESTS, "test_engine.py")),
-    # Gemma's MLP output passes a post-feedforward norm before the residual: no linear bridge.
-    Family("gemma2", "lm", surgery=True, tested=_LM_TESTS),
-    Family("gemma3_text", "lm", surgery=True, qk_norm=True, tested=(*_LM_TESTS, "test_export.py"),
-           real="gemma3-270m (GGUF)"),
-    Family(SURGEON_SPARSE_LLAMA, "lm", engine=True, tested=("test_sparse_attention.py", "test_engine.py")),
-    Family(SURGEON_VLM, "vlm", engine=True, tested=("test_vlm.py", "test_graft_vision.py")),
-    Family(LLAVA, "vlm", engine=True, tested=("test_graft_vision.py",)),
-    Family("clip", "vision", vision_tower="clip", tested=("test_graft_vision.py",)),
-    Family("clip_vision_model", "vision", vision_tower="clip", tested=("test_graft_vision.py", "test_vision_parts.py")),
-    Family("siglip", "vision", vision_tower="siglip"),
-    Family("siglip_vision_model", "vision", vision_tower="siglip",
-           tested=("test_graft_vision.py", "test_vision_parts.py")),
-)}
+FAMILIES: dict[str, Family] = {
+    row.model_type: row
+    for row in (
+        Family(
+            "llama",
+            "lm",
+            surgery=True,
+            engine=True,
+            residual_mlp=True,
+            sparse_base=True,
+            tested=(*_LM_TESTS, "test_export.py", "test_engine.py", "test_sparse_attention.py"),
+            real="SmolLM2-135M-Instruct",
+        ),
+        Family("mistral", "lm", surgery=True, engine=True, residual_mlp=True, tested=(*_LM_TESTS, "test_engine.py")),
+        Family("qwen2", "lm", surgery=True, engine=True, residual_mlp=True, tested=(*_LM_TESTS, "test_engine.py")),
+        Family(
+            "qwen3",
+            "lm",
+            surgery=True,
+            engine=True,
+            residual_mlp=True,
+            qk_norm=True,
+            tested=(*_LM_TESTS, "test_engine.py"),
+        ),
+        # Gemma's MLP output passes a post-feedforward norm before the residual: no linear bridge.
+        Family("gemma2", "lm", surgery=True, tested=_LM_TESTS),
+        Family(
+            "gemma3_text",
+            "lm",
+            surgery=True,
+            qk_norm=True,
+            tested=(*_LM_TESTS, "test_export.py"),
+            real="gemma3-270m (GGUF)",
+        ),
+        Family(SURGEON_SPARSE_LLAMA, "lm", engine=True, tested=("test_sparse_attention.py", "test_engine.py")),
+        Family(SURGEON_VLM, "vlm", engine=True, tested=("test_vlm.py", "test_graft_vision.py")),
+        Family(LLAVA, "vlm", engine=True, tested=("test_graft_vision.py",)),
+        Family("clip", "vision", vision_tower="clip", tested=("test_graft_vision.py",)),
+        Family(
+            "clip_vision_model", "vision", vision_tower="clip", tested=("test_graft_vision.py", "test_vision_parts.py")
+        ),
+        Family("siglip", "vision", vision_tower="siglip"),
+        Family(
+            "siglip_vision_model",
+            "vision",
+            vision_tower="siglip",
+            tested=("test_graft_vision.py", "test_vision_parts.py"),
+        ),
+    )
+}
 
 
 def family(model_type: str | None) -> Family | None:

@@ -83,7 +83,9 @@ def token_windows(tokenizer, files: list[Path], data: TextData) -> torch.Tensor:
         ids = _tokenize_prefix(tokenizer, path, share * per_window)
         got = min(share, len(ids) // per_window)
         if got < share:
-            log.warning("%s has %d windows of %d tokens, fewer than the %d asked for", path.name, got, data.window, share)
+            log.warning(
+                "%s has %d windows of %d tokens, fewer than the %d asked for", path.name, got, data.window, share
+            )
         if got:
             rows.append(torch.tensor(ids[: got * per_window], dtype=torch.long).view(got, per_window))
     if not rows:
@@ -114,7 +116,7 @@ def _tokenize_prefix(tokenizer, path: Path, needed: int) -> list[int]:
 
 
 def describe_files(files: list[Path]) -> str:
-    """"emma.txt, persuasion.txt (+3 more)": short enough for a log line or a model card."""
+    """ "emma.txt, persuasion.txt (+3 more)": short enough for a log line or a model card."""
     return ", ".join(f.name for f in files[:3]) + (f" (+{len(files) - 3} more)" if len(files) > 3 else "")
 
 

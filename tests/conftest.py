@@ -75,7 +75,10 @@ def tokenizer_dir(tmp_path_factory, text_dir) -> Path:
     )
     tok.train([str(text_dir / "calibration.txt")], trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
         pad_token="<|im_end|>",
     )
     fast.chat_template = (
@@ -91,9 +94,17 @@ def tiny_config(family: str, layers: int = 6, **overrides):
     from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
     )
     common.update(overrides)
     if family == "llama":
@@ -106,12 +117,24 @@ def tiny_config(family: str, layers: int = 6, **overrides):
         return Qwen3Config(**common, head_dim=16)
     if family == "gemma3":
         # A short sliding window and a 3-layer pattern, so layer types really alternate.
-        return Gemma3TextConfig(**common, head_dim=16, sliding_window=16, sliding_window_pattern=3,
-                                query_pre_attn_scalar=16, final_logit_softcapping=5.0)
+        return Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=16,
+            sliding_window_pattern=3,
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=5.0,
+        )
     if family == "gemma2":
         # Gemma-2 alternates local and global attention layer by layer, and soft-caps logits.
-        return Gemma2Config(**common, head_dim=16, sliding_window=16, query_pre_attn_scalar=16,
-                            final_logit_softcapping=5.0, attn_logit_softcapping=20.0)
+        return Gemma2Config(
+            **common,
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=5.0,
+            attn_logit_softcapping=20.0,
+        )
     raise ValueError(family)
 
 
@@ -177,17 +200,26 @@ def tiny_family_config(model_type: str):
     by_type = {tiny_config(name).model_type: name for name in FAMILIES}
     if model_type in by_type:
         return tiny_config(by_type[model_type])
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=32, patch_size=8)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
     text = tiny_config("llama", layers=2)
     if model_type == "surgeon_sparse_llama":
-        return SurgeonSparseLlamaConfig(sparse_attention={"top_k": 8, "sinks": 2, "window": 3, "index_heads": 2,
-                                                          "index_dim": 16, "rope_dim": 8},
-                                        **{k: v for k, v in text.to_dict().items() if k != "model_type"})
+        return SurgeonSparseLlamaConfig(
+            sparse_attention={"top_k": 8, "sinks": 2, "window": 3, "index_heads": 2, "index_dim": 16, "rope_dim": 8},
+            **{k: v for k, v in text.to_dict().items() if k != "model_type"},
+        )
     if model_type == "surgeon_vlm":
-        return SurgeonVLMConfig(text_config=text, vision_config=CLIPVisionConfig(**vision), image_size=32,
-                                vision_hidden_size=32, vision_grid=[4, 4], vision_tokens=16, vision_layer=-2,
-                                image_token_id=text.vocab_size)
+        return SurgeonVLMConfig(
+            text_config=text,
+            vision_config=CLIPVisionConfig(**vision),
+            image_size=32,
+            vision_hidden_size=32,
+            vision_grid=[4, 4],
+            vision_tokens=16,
+            vision_layer=-2,
+            image_token_id=text.vocab_size,
+        )
     if model_type == "llava":
         return LlavaConfig(vision_config=CLIPVisionConfig(**vision).to_dict(), text_config=text.to_dict())
     if model_type in ("clip", "clip_vision_model"):
@@ -197,5 +229,7 @@ def tiny_family_config(model_type: str):
     if model_type in ("siglip", "siglip_vision_model"):
         from transformers import SiglipConfig
 
-        return SiglipVisionConfig(**vision) if model_type == "siglip_vision_model" else SiglipConfig(vision_config=vision)
+        return (
+            SiglipVisionConfig(**vision) if model_type == "siglip_vision_model" else SiglipConfig(vision_config=vision)
+        )
     raise ValueError(f"no tiny config for {model_type!r}")

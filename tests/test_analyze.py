@@ -10,12 +10,12 @@ import yaml
 from PIL import Image
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from conftest import tiny_config
 from surgeon.analysis import analyze
 from surgeon.cli import main
 from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonSparseLlamaForCausalLM
 from surgeon.recipe.plan import plan_recipe
 from surgeon.recipe.schema import load_recipe
-from conftest import tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TOKENS = 1024  # 8 windows of 128: enough for every measure, fast
@@ -63,13 +63,15 @@ def test_sparse_model_adds_the_recall_plot(tokenizer_dir, text_dir, tmp_path):
     config = tiny_config("llama", layers=4)
     sparse_config = SurgeonSparseLlamaConfig(
         sparse_attention={"top_k": 16, "sinks": 2, "window": 3, "index_heads": 2, "index_dim": 16, "rope_dim": 8},
-        **config.to_dict())
+        **config.to_dict(),
+    )
     sparse = SurgeonSparseLlamaForCausalLM(sparse_config)
     sparse.load_state_dict(LlamaForCausalLM(config).state_dict(), strict=False)
     sparse.save_pretrained(tmp_path / "sparse")
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / "sparse")
-    report = analyze(str(tmp_path / "sparse"), [str(text_dir / "calibration.txt")], tmp_path / "out",
-                     tokens=512, window=128)
+    report = analyze(
+        str(tmp_path / "sparse"), [str(text_dir / "calibration.txt")], tmp_path / "out", tokens=512, window=128
+    )
     assert report.figures["indexer-recall.png"].curves == 1
     assert sorted(report.measures.recall) == [0, 1, 2, 3]
     assert all(0 < r <= 1 for r in report.measures.recall.values())
@@ -90,13 +92,28 @@ def test_model_card_shows_the_plots_its_steps_measured():
 
     shape = {"layers": 4, "heads": 4, "kv_heads": 2, "params": 1000}
     report = {
-        "name": "tiny", "base": {"label": "tiny"}, "stages": [], "shape": {"before": shape, "after": shape},
+        "name": "tiny",
+        "base": {"label": "tiny"},
+        "stages": [],
+        "shape": {"before": shape, "after": shape},
         "provenance": [
-            {"op": "drop_layers", "what": "dropped layers 2-3", "why": "angular", "params": {"layers": [2, 3]},
-             "details": {"angular_distance_by_block_start": [0.3, 0.2, 0.1, 0.25, 0.3],
-                         "block_influence_by_layer": [0.9, 0.1, 0.05, 0.04, 0.2, 0.3]}},
-            {"op": "sparse_attention", "what": "sparse", "why": "flops", "params": {},
-             "details": {"recall_at_init": {"1": 0.5, "2": 0.6}, "recall": {"1": 0.9, "2": 0.95}}},
+            {
+                "op": "drop_layers",
+                "what": "dropped layers 2-3",
+                "why": "angular",
+                "params": {"layers": [2, 3]},
+                "details": {
+                    "angular_distance_by_block_start": [0.3, 0.2, 0.1, 0.25, 0.3],
+                    "block_influence_by_layer": [0.9, 0.1, 0.05, 0.04, 0.2, 0.3],
+                },
+            },
+            {
+                "op": "sparse_attention",
+                "what": "sparse",
+                "why": "flops",
+                "params": {},
+                "details": {"recall_at_init": {"1": 0.5, "2": 0.6}, "recall": {"1": 0.9, "2": 0.95}},
+            },
         ],
     }
     plots = report_plots(report)

@@ -12,9 +12,10 @@ pytest.importorskip("playwright", reason="Playwright for Python is not installed
 if shutil.which("chromium") is None:
     pytest.skip("no Chromium binary (Debian: apt install chromium)", allow_module_level=True)
 
-from surgeon.demos.browser import CHROMIUM, ask, free_port  # noqa: E402
-from surgeon.demos.chat import build_demo  # noqa: E402
-from test_chat_app import chatty_vlm  # noqa: E402,F401  (a fixture: a tiny VLM whose replies are printable)
+from test_chat_app import chatty_vlm  # noqa: F401  (a fixture: a tiny VLM whose replies are printable)
+
+from surgeon.demos.browser import CHROMIUM, ask, free_port
+from surgeon.demos.chat import build_demo
 
 
 def test_the_browser_uploads_an_image_and_sees_the_streamed_answer(chatty_vlm, tmp_path):  # noqa: F811

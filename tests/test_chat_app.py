@@ -48,8 +48,11 @@ def _speaks_ascii(model, tokenizer) -> None:
     holds back partial UTF-8), so nothing would stream. Zeroing every other token's embedding row
     (tied to the LM head) gives those logit 0, below the best printable token's."""
     special = set(tokenizer.all_special_ids)
-    printable = [i for i in range(len(tokenizer))
-                 if i not in special and (s := tokenizer.decode([i])) and s.isascii() and s.isprintable()]
+    printable = [
+        i
+        for i in range(len(tokenizer))
+        if i not in special and (s := tokenizer.decode([i])) and s.isascii() and s.isprintable()
+    ]
     weight = model.get_input_embeddings().weight
     silent = torch.ones(weight.shape[0], dtype=torch.bool)
     silent[printable] = False
@@ -107,8 +110,9 @@ def test_an_image_to_a_text_model_is_refused_with_the_reason(served, tiny_llama,
     png = tmp_path / "red.png"
     Image.new("RGB", (16, 16), (220, 30, 30)).save(png)
     with pytest.raises(Exception, match="text-only model"):
-        client.predict({"text": "What is this?", "files": [gradio_client.handle_file(str(png))]},
-                       *GREEDY, 4, api_name="/chat")
+        client.predict(
+            {"text": "What is this?", "files": [gradio_client.handle_file(str(png))]}, *GREEDY, 4, api_name="/chat"
+        )
 
 
 def test_default_model_is_the_vision_export_else_the_base(tmp_path, monkeypatch):
@@ -133,7 +137,8 @@ def test_studio_shows_errors_with_lines_and_plans_a_valid_recipe(tiny_llama, tmp
           - drop_layers: {{layers: [2, 31]}}
         """)
     assert plan_text(path, broken).splitlines() == [
-        f"error: {path}:4: steps[0].drop_layers.layers: index 31 out of range (model has 6 layers)"]
+        f"error: {path}:4: steps[0].drop_layers.layers: index 31 out of range (model has 6 layers)"
+    ]
     fine = broken.replace("[2, 31]", "[2, 3]")
     shown = plan_text(path, fine)
     assert "error" not in shown and shown.splitlines()[0].split()[:2] == ["step", "layers"]

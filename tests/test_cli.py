@@ -16,8 +16,9 @@ from surgeon.cli import main
 def surgeon_process(*args, env=None) -> subprocess.CompletedProcess:
     """A real `python -m surgeon` process: its exit status and streams as a user sees them."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "surgeon", *map(str, args)], capture_output=True, text=True,
-                          env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "surgeon", *map(str, args)], capture_output=True, text=True, env=full_env
+    )
 
 
 @pytest.fixture
@@ -96,8 +97,19 @@ def test_run_then_eval(write_recipe, tiny_llama, text_dir, tmp_path, surgeon):
     again = surgeon("run", path, "--out", out)
     assert again.returncode == 2 and "already exists" in again.stderr
 
-    result = surgeon("eval", out, "--parent", tiny_llama, "--data", text_dir / "heldout.txt",
-                     "--tokens", 256, "--window", 128, "--json")
+    result = surgeon(
+        "eval",
+        out,
+        "--parent",
+        tiny_llama,
+        "--data",
+        text_dir / "heldout.txt",
+        "--tokens",
+        256,
+        "--window",
+        128,
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     metrics = json.loads(result.stdout)
     report = json.loads((out / "report.json").read_text())["stages"][0]["metrics"]

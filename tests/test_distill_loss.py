@@ -32,9 +32,15 @@ def make(n=37, h=16, v=53, seed=0):
     return hidden, head, t_hidden, t_head, targets, mask
 
 
-@pytest.mark.parametrize(("tau", "kl_w", "ce_w", "softcap"), [
-    (1.0, 1.0, 0.0, None), (2.0, 1.0, 0.0, None), (1.0, 0.5, 0.3, None), (1.0, 1.0, 0.2, 3.0),
-])
+@pytest.mark.parametrize(
+    ("tau", "kl_w", "ce_w", "softcap"),
+    [
+        (1.0, 1.0, 0.0, None),
+        (2.0, 1.0, 0.0, None),
+        (1.0, 0.5, 0.3, None),
+        (1.0, 1.0, 0.2, 3.0),
+    ],
+)
 def test_fused_loss_and_gradients_match_autograd(tau, kl_w, ce_w, softcap):
     hidden, head, t_hidden, t_head, targets, mask = make()
     expected = plain_loss(hidden, head, t_hidden, t_head, targets, mask, tau, kl_w, ce_w, softcap, softcap)

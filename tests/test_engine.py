@@ -11,12 +11,11 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import requires_smollm2, tiny_config
 from surgeon.engine import LLM, SamplingParams
 from surgeon.engine.stopping import repeating_period
 from surgeon.errors import SourceError
 from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonSparseLlamaForCausalLM
-
-from conftest import requires_smollm2, tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, loop_window=0)
 
@@ -29,9 +28,15 @@ def prompts(count: int, seed: int = 0, vocab: int = 300) -> list[list[int]]:
 
 def hf_greedy(model, ids: list[int], new: int, **kwargs) -> list[int]:
     model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        **kwargs,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def engine_tokens(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -78,9 +83,17 @@ def test_preemption_when_the_cache_runs_out_keeps_outputs_exact(tiny_llama):
 def test_sparse_attention_export_matches_transformers(tmp_path, tokenizer_dir):
     torch.manual_seed(0)
     config = SurgeonSparseLlamaConfig(
-        sparse_attention={"top_k": 8, "sinks": 2, "window": 3, "index_heads": 2, "index_dim": 16, "rope_dim": 8,
-                          "layers": [1, 2, 3, 4]},
-        **tiny_config("llama").to_dict())
+        sparse_attention={
+            "top_k": 8,
+            "sinks": 2,
+            "window": 3,
+            "index_heads": 2,
+            "index_dim": 16,
+            "rope_dim": 8,
+            "layers": [1, 2, 3, 4],
+        },
+        **tiny_config("llama").to_dict(),
+    )
     model = SurgeonSparseLlamaForCausalLM(config).eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -120,13 +133,15 @@ def test_stop_strings_cut_the_text_and_streams_add_up(tiny_llama):
     full = llm.generate([ids], free)[0].text
     streamed = list(llm.stream(ids, free))
     assert "".join(out.text for out in streamed) == full and streamed[-1].finish_reason == "length"
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
-    cut = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0,
-                                             stop=[stop]))[0]
-    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
-    parts = list(llm.stream(ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0,
-                                                stop=[stop])))
+    cut = llm.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0, stop=[stop])
+    )[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+    parts = list(
+        llm.stream(ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0, stop=[stop]))
+    )
     assert "".join(out.text for out in parts) == cut.text
 
 
@@ -193,7 +208,7 @@ def test_vlm_export_matches_transformers_and_repeated_images_are_free(tmp_path, 
         inputs = processor.prompt(chat, [image])
         model.generation_config.eos_token_id = None
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+        expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
     got = [llm.generate([chat], GREEDY, images=[[image]])[0].token_ids for image in (red, blue)]
     assert got == expected and expected[0] != expected[1]
     encoded, hits = llm.vision.encoded, llm.blocks.hits
@@ -201,7 +216,6 @@ def test_vlm_export_matches_transformers_and_repeated_images_are_free(tmp_path, 
     assert again == expected[0]
     assert llm.vision.encoded == encoded  # neither re-encoded...
     assert llm.blocks.hits - hits >= model.config.image_seq_length  # ...nor re-prefilled
-
 
 
 def test_llava_layout_export_matches_transformers(tmp_path, tokenizer_dir):
@@ -218,13 +232,16 @@ def test_llava_layout_export_matches_transformers(tmp_path, tokenizer_dir):
     processor.save_pretrained(tmp_path / "llava")
     image = Image.new("RGB", (40, 40), (30, 200, 60))
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
-    inputs = processor(images=[image], text=processor.apply_chat_template(chat, add_generation_prompt=True),
-                       return_tensors="pt")
+    inputs = processor(
+        images=[image], text=processor.apply_chat_template(chat, add_generation_prompt=True), return_tensors="pt"
+    )
     llava.generation_config.eos_token_id = None
     want = llava.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=0)
     llm = LLM(str(tmp_path / "llava"), block_size=4)
     assert llm.is_vlm
-    assert llm.generate([chat], GREEDY, images=[[image]])[0].token_ids == want[0, inputs["input_ids"].shape[1]:].tolist()
+    assert (
+        llm.generate([chat], GREEDY, images=[[image]])[0].token_ids == want[0, inputs["input_ids"].shape[1] :].tolist()
+    )
 
 
 @pytest.mark.real_model

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from surgeon.errors import ExportError
-from surgeon.recipe.schema import load_recipe
 from surgeon.recipe.run import run_recipe
+from surgeon.recipe.schema import load_recipe
 
 
 def drop_recipe(write_recipe, model, text_dir, extra: str = "") -> str:
@@ -51,7 +51,9 @@ def plain_transformers_logits(folder, ids_file, out_file) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_export_loads_in_plain_transformers_with_identical_logits(family, tiny_models, text_dir, write_recipe, tmp_path):
+def test_export_loads_in_plain_transformers_with_identical_logits(
+    family, tiny_models, text_dir, write_recipe, tmp_path
+):
     recipe = load_recipe(drop_recipe(write_recipe, tiny_models[family], text_dir))
     result = run_recipe(recipe, out=tmp_path / "export")
     folder = result.target
@@ -72,15 +74,31 @@ def test_export_contents_report_and_card(tiny_llama, text_dir, write_recipe, tmp
     path = drop_recipe(write_recipe, tiny_llama, text_dir)
     result = run_recipe(load_recipe(path), out=tmp_path / "export")
     folder = result.target
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "recipe.yaml", "report.json", "README.md"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "recipe.yaml",
+        "report.json",
+        "README.md",
+    ):
         assert (folder / name).is_file(), name
     assert (folder / "recipe.yaml").read_text() == path.read_text()
 
     report = json.loads((folder / "report.json").read_text())
     assert [s["name"] for s in report["stages"]] == ["base", "after drop_layers"]
     for stage in report["stages"]:
-        assert set(stage["metrics"]) == {"kl_mean", "kl_median", "kl_p99", "top1_agreement", "ppl", "ppl_parent", "tokens"}
+        assert set(stage["metrics"]) == {
+            "kl_mean",
+            "kl_median",
+            "kl_p99",
+            "top1_agreement",
+            "ppl",
+            "ppl_parent",
+            "tokens",
+        }
     base_stage, after = (s["metrics"] for s in report["stages"])
     assert base_stage["kl_mean"] < 1e-5 and base_stage["top1_agreement"] == 1.0
     assert after["kl_mean"] > base_stage["kl_mean"] and after["ppl_parent"] == pytest.approx(base_stage["ppl_parent"])

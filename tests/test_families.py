@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_family_config
 
+from conftest import tiny_family_config
 from surgeon import families
 from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonVLMConfig
 

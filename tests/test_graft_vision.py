@@ -12,23 +12,30 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import ROOT
 from surgeon.errors import RecipeError
 from surgeon.recipe.plan import plan_recipe
-from surgeon.recipe.schema import load_recipe
 from surgeon.recipe.run import run_recipe
-
-from conftest import ROOT
+from surgeon.recipe.schema import load_recipe
 
 TIMM_TOWER = "{timm: tf_efficientnet_lite0, image_size: 64}"
 
 
 def _vision_folder(tmp_path: Path, kind: str) -> Path:
     """A tiny random CLIP or SigLIP vision model, or a LLaVA VLM around one, saved as safetensors."""
-    from transformers import (CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, SiglipVisionConfig, SiglipVisionModel)
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
 
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  image_size=32, patch_size=8)
+    common = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8
+    )
     torch.manual_seed(1)
     folder = tmp_path / kind
     if kind == "clip":
@@ -36,16 +43,21 @@ def _vision_folder(tmp_path: Path, kind: str) -> Path:
     elif kind == "siglip":
         SiglipVisionModel(SiglipVisionConfig(**common)).save_pretrained(folder)
     else:  # a LLaVA whose LM width (64) is the tiny llama's, so its projector fits
-        config = LlavaConfig(vision_config=CLIPVisionConfig(**common).to_dict(),
-                             text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                     num_attention_heads=4, vocab_size=400).to_dict(),
-                             image_token_id=399, vision_feature_layer=-2)
+        config = LlavaConfig(
+            vision_config=CLIPVisionConfig(**common).to_dict(),
+            text_config=LlamaConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=400
+            ).to_dict(),
+            image_token_id=399,
+            vision_feature_layer=-2,
+        )
         LlavaForConditionalGeneration(config).save_pretrained(folder)
     return folder
 
 
-def _recipe(write_recipe, base: Path, text_dir: Path, tower: str, projector: str = "mlp2x_gelu",
-            steps: int = 3) -> Path:
+def _recipe(
+    write_recipe, base: Path, text_dir: Path, tower: str, projector: str = "mlp2x_gelu", steps: int = 3
+) -> Path:
     return write_recipe(f"""
         name: eyes
         base: {base}
@@ -70,7 +82,7 @@ def _recipe(write_recipe, base: Path, text_dir: Path, tower: str, projector: str
               max_new_tokens: 3
           - check_instructions: {{}}
           - evaluate:
-              data: {{text: {text_dir / 'heldout.txt'}, tokens: 256, window: 64}}
+              data: {{text: {text_dir / "heldout.txt"}, tokens: 256, window: 64}}
         """)
 
 
@@ -84,16 +96,26 @@ def test_plan_shows_image_tokens_projector_and_trainable_share(write_recipe, tin
     assert plan.rows[1].shape.params > plan.rows[0].shape.params
 
 
-@pytest.mark.parametrize("body,match", [
-    ("- graft_vision: {tower: {timm: tf_efficientnet_lite0, image_size: 64}, projector: pixel_shuffle, "
-     "pixel_shuffle_factor: 4}", "not divisible by 4"),
-    ("- graft_vision: {tower: {timm: tf_efficientnet_lite0, image_size: 64}}\n"
-     "  - drop_layers: {layers: [2]}", "put it before graft_vision"),
-    ("- heal: {data: {sources: [{synthetic: {examples: 4}}]}, train: {params: [model.layers]}, steps: 1}",
-     "need a vision tower"),
-    ("- graft_vision: {tower: {timm: tf_efficientnet_lite0, transformers: x}}", "exactly one of"),
-    ("- graft_vision: {tower: {timm: tf_efficientnet_lite0, checkpoint: missing.pth}}", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        (
+            "- graft_vision: {tower: {timm: tf_efficientnet_lite0, image_size: 64}, projector: pixel_shuffle, "
+            "pixel_shuffle_factor: 4}",
+            "not divisible by 4",
+        ),
+        (
+            "- graft_vision: {tower: {timm: tf_efficientnet_lite0, image_size: 64}}\n  - drop_layers: {layers: [2]}",
+            "put it before graft_vision",
+        ),
+        (
+            "- heal: {data: {sources: [{synthetic: {examples: 4}}]}, train: {params: [model.layers]}, steps: 1}",
+            "need a vision tower",
+        ),
+        ("- graft_vision: {tower: {timm: tf_efficientnet_lite0, transformers: x}}", "exactly one of"),
+        ("- graft_vision: {tower: {timm: tf_efficientnet_lite0, checkpoint: missing.pth}}", "does not exist"),
+    ],
+)
 def test_bad_vision_recipes_fail_at_their_line(write_recipe, tiny_llama, body, match):
     recipe = write_recipe(f"name: bad\nbase: {tiny_llama}\nsteps:\n  {body}\n")
     with pytest.raises(RecipeError, match=match) as info:
@@ -158,8 +180,8 @@ assert "surgeon" not in sys.modules
 model = AutoModelForImageTextToText.from_pretrained({str(folder)!r}).eval()
 print(type(model).__name__, type(AutoProcessor.from_pretrained({str(folder)!r})).__name__)
 with torch.no_grad():
-    logits = model(input_ids=torch.tensor([{ids}]), pixel_values=torch.load({str(tmp_path / 'pixels.pt')!r})).logits
-torch.save(logits, {str(tmp_path / 'logits.pt')!r})
+    logits = model(input_ids=torch.tensor([{ids}]), pixel_values=torch.load({str(tmp_path / "pixels.pt")!r})).logits
+torch.save(logits, {str(tmp_path / "logits.pt")!r})
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -216,14 +238,23 @@ def test_image_questions_from_jsonl(tmp_path, tokenizer_dir):
     from surgeon.vision.processor import ImageTransform, VLMProcessor
 
     Image.new("RGB", (20, 20), (0, 0, 255)).save(tmp_path / "blue.png")
-    lines = [{"image": "blue.png", "messages": [{"role": "user", "content": "What colour?"},
-                                                 {"role": "assistant", "content": "blue"}]},
-             {"images": ["blue.png", "blue.png"],
-              "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                                        {"type": "text", "text": "Same?"}]},
-                           {"role": "assistant", "content": "yes"}]}]
+    lines = [
+        {
+            "image": "blue.png",
+            "messages": [{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": "blue"}],
+        },
+        {
+            "images": ["blue.png", "blue.png"],
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}]},
+                {"role": "assistant", "content": "yes"},
+            ],
+        },
+    ]
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    processor = VLMProcessor(AutoTokenizer.from_pretrained(tokenizer_dir), ImageTransform(16, (0.5,) * 3, (0.5,) * 3), 3)
+    processor = VLMProcessor(
+        AutoTokenizer.from_pretrained(tokenizer_dir), ImageTransform(16, (0.5,) * 3, (0.5,) * 3), 3
+    )
     data = HealData(sources=[{"jsonl": str(tmp_path / "data.jsonl")}], heldout_examples=0)
     examples = build_vision_set(data, {0: [tmp_path / "data.jsonl"]}, processor).train
     counts = sorted(e.ids.count(processor.image_token_id) for e in examples)
@@ -245,7 +276,9 @@ def test_mnist_splits_hold_out_every_digit(tmp_path):
     held = mnist_rows(labels, MnistDigits(path="x", split="heldout"))
     assert not set(train) & set(held) and len(train) == 80 and len(held) == 20
     assert sorted(set(labels[held])) == list(range(10))
-    assert sorted(set(labels[mnist_rows(labels, MnistDigits(path="x", split="heldout", examples=10))])) == list(range(10))
+    assert sorted(set(labels[mnist_rows(labels, MnistDigits(path="x", split="heldout", examples=10))])) == list(
+        range(10)
+    )
 
 
 def test_shuffled_control_is_a_derangement():

@@ -14,12 +14,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from surgeon.surgery.architecture import keep_layers
+from surgeon.checkpoints.sources import resolve_source
 from surgeon.errors import ExportError, RecipeError
 from surgeon.recipe.plan import format_plan, plan_recipe
-from surgeon.recipe.schema import load_recipe
 from surgeon.recipe.run import run_recipe
-from surgeon.checkpoints.sources import resolve_source
+from surgeon.recipe.schema import load_recipe
+from surgeon.surgery.architecture import keep_layers
 from surgeon.training.forward import StudentBody, shared_prefix_length, teacher_forward
 from surgeon.training.trainable import TrainSpec, first_trainable_layer, prepare_student
 
@@ -29,12 +29,21 @@ def heal_recipe(write_recipe, model, text_dir, name: str = "recipe.yaml", **heal
     evaluate = {"evaluate": {"data": {"text": f"{text_dir}/heldout.txt", "tokens": 512, "window": 128}}}
     step = {
         "data": {"sources": [{"text": f"{text_dir}/calibration.txt"}], "window": 64, "heldout_windows": 4},
-        "train": {"params": ["model.layers.[2-3]"]}, "steps": 8, "batch_size": 4, "precision": "fp32",
-        "log_every": 1, "checkpoint_every": 2, "eval": {"every": 4}, "optimizer": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {"params": ["model.layers.[2-3]"]},
+        "steps": 8,
+        "batch_size": 4,
+        "precision": "fp32",
+        "log_every": 1,
+        "checkpoint_every": 2,
+        "eval": {"every": 4},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         **heal,
     }
-    recipe = {"name": "tiny-heal", "base": str(model),
-              "steps": [{"drop_layers": {"layers": [2, 3]}}, evaluate, {"heal": step}, evaluate]}
+    recipe = {
+        "name": "tiny-heal",
+        "base": str(model),
+        "steps": [{"drop_layers": {"layers": [2, 3]}}, evaluate, {"heal": step}, evaluate],
+    }
     return write_recipe(yaml.safe_dump(recipe, sort_keys=False), name=name)
 
 
@@ -55,8 +64,12 @@ def test_heal_reduces_kl_and_reports_it(write_recipe, tiny_llama, text_dir, tmp_
     assert not (tmp_path / "x.checkpoints").exists()  # removed once the export is written
     # The parent (teacher) was not trained: the export's untrained layers equal the parent's.
     parent = resolve_source(str(tiny_llama), Path.cwd()).load_model()
-    assert torch.equal(result.patient.model.model.layers[0].mlp.up_proj.weight, parent.model.layers[0].mlp.up_proj.weight)
-    assert not torch.equal(result.patient.model.model.layers[2].mlp.up_proj.weight, parent.model.layers[4].mlp.up_proj.weight)
+    assert torch.equal(
+        result.patient.model.model.layers[0].mlp.up_proj.weight, parent.model.layers[0].mlp.up_proj.weight
+    )
+    assert not torch.equal(
+        result.patient.model.model.layers[2].mlp.up_proj.weight, parent.model.layers[4].mlp.up_proj.weight
+    )
 
 
 def test_plan_shows_trainable_parameters_and_checks_them(write_recipe, tiny_llama, text_dir):
@@ -71,9 +84,14 @@ def test_plan_shows_trainable_parameters_and_checks_them(write_recipe, tiny_llam
 
 
 def test_report_names_every_data_source(write_recipe, tiny_llama, text_dir, tmp_path):
-    data = {"sources": [{"self_distill": {"prompts": ["the garden", "a letter"], "max_new_tokens": 40}},
-                        {"text": f"{text_dir}/calibration.txt", "tokens": 512}],
-            "window": 32, "heldout_windows": 2}
+    data = {
+        "sources": [
+            {"self_distill": {"prompts": ["the garden", "a letter"], "max_new_tokens": 40}},
+            {"text": f"{text_dir}/calibration.txt", "tokens": 512},
+        ],
+        "window": 32,
+        "heldout_windows": 2,
+    }
     path = heal_recipe(write_recipe, tiny_llama, text_dir, data=data, steps=2, eval={"every": 1})
     why = run_recipe(load_recipe(path), out=tmp_path / "x").report["provenance"][-1]["why"]
     assert " on the teacher's answers to 2 prompts + calibration.txt; held-out KL " in why
@@ -125,8 +143,11 @@ def test_killed_run_resumes_to_the_same_result(write_recipe, tiny_llama, text_di
     reference = run_recipe(load_recipe(path), out=tmp_path / "straight").target
 
     target = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "surgeon", "-q", "run", str(path), "--out", str(target)],
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "surgeon", "-q", "run", str(path), "--out", str(target)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     checkpoints = tmp_path / "killed.checkpoints" / "heal-step2"
     deadline = time.time() + 300
     while not list(checkpoints.glob("step-0000[1-9]?")) + list(checkpoints.glob("step-00000[4-9]")):
@@ -161,8 +182,9 @@ def test_teacher_cache_is_reused_across_runs(write_recipe, tiny_llama, text_dir,
     path = heal_recipe(write_recipe, tiny_llama, text_dir, teacher_cache={"top_k": 16}, steps=6)
     computed = []
     original = teacher_cache.TeacherCache._compute
-    monkeypatch.setattr(teacher_cache.TeacherCache, "_compute",
-                        lambda self, *a: (computed.append(a[0]), original(self, *a))[1])
+    monkeypatch.setattr(
+        teacher_cache.TeacherCache, "_compute", lambda self, *a: (computed.append(a[0]), original(self, *a))[1]
+    )
     first = run_recipe(load_recipe(path), out=tmp_path / "one")
     assert computed, "the first run computes the teacher's top-k"
     windows = len(set(computed))
@@ -178,8 +200,14 @@ def test_teacher_cache_is_reused_across_runs(write_recipe, tiny_llama, text_dir,
 
 def test_early_stop_keeps_the_best_weights(write_recipe, tiny_llama, text_dir, tmp_path):
     # A learning rate far too high: held-out KL gets worse, training stops, the best step is kept.
-    path = heal_recipe(write_recipe, tiny_llama, text_dir, steps=30, eval={"every": 1, "patience": 2},
-                       optimizer={"lr": 3.0, "warmup_steps": 0})
+    path = heal_recipe(
+        write_recipe,
+        tiny_llama,
+        text_dir,
+        steps=30,
+        eval={"every": 1, "patience": 2},
+        optimizer={"lr": 3.0, "warmup_steps": 0},
+    )
     result = run_recipe(load_recipe(path), out=tmp_path / "early")
     training = result.report["provenance"][-1]["details"]["training"]
     assert training["stopped_early"] and training["steps"] < 30
@@ -196,8 +224,19 @@ def test_two_process_ddp_run_matches_one_process(write_recipe, tiny_llama, text_
     single = run_recipe(load_recipe(path), out=tmp_path / "single").target
     launcher = Path(sys.executable).with_name("accelerate")
     config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "ddp-cpu.yaml"
-    command = [str(launcher), "launch", "--config_file", str(config), "-m", "surgeon", "-q", "run", str(path),
-               "--out", str(tmp_path / "ddp")]
+    command = [
+        str(launcher),
+        "launch",
+        "--config_file",
+        str(config),
+        "-m",
+        "surgeon",
+        "-q",
+        "run",
+        str(path),
+        "--out",
+        str(tmp_path / "ddp"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = _final_weights(single), _final_weights(tmp_path / "ddp")

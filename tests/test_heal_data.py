@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from surgeon.errors import DataError, ParamError
 from surgeon.checkpoints.sources import resolve_source
-from surgeon.training.heal_data import HealData, DataSource, check_sources
+from surgeon.errors import DataError, ParamError
+from surgeon.training.heal_data import DataSource, HealData, check_sources
 from surgeon.training.text_set import build_train_set
 
 
@@ -41,8 +41,12 @@ def test_text_windows_start_with_bos_and_split_deterministically(text_dir, token
 
 def test_chat_jsonl_masks_only_assistant_tokens(tmp_path, tokenizer):
     records = [
-        {"messages": [{"role": "user", "content": "the house and the garden"},
-                      {"role": "assistant", "content": "her sister was at the window"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "the house and the garden"},
+                {"role": "assistant", "content": "her sister was at the window"},
+            ]
+        },
         {"text": "the morning letter was from his father"},
     ] * 40
     (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in records))
@@ -74,8 +78,15 @@ def test_bad_records_are_located(tmp_path, tokenizer):
 def test_datasets_library_reads_local_files(tmp_path, tokenizer, text_dir):
     lines = (text_dir / "heldout.txt").read_text().splitlines()
     (tmp_path / "rows.json").write_text("\n".join(json.dumps({"body": line}) for line in lines))
-    data = build({"sources": [{"dataset": "json", "data_files": "rows.json", "field": "body"}], "window": 32,
-                  "heldout_windows": 1}, tmp_path, tokenizer)
+    data = build(
+        {
+            "sources": [{"dataset": "json", "data_files": "rows.json", "field": "body"}],
+            "window": 32,
+            "heldout_windows": 1,
+        },
+        tmp_path,
+        tokenizer,
+    )
     assert data.train_ids.shape[0] > 10
     with pytest.raises(ValueError, match="needs `data_files`"):
         DataSource.model_validate({"dataset": "json"})
@@ -83,8 +94,13 @@ def test_datasets_library_reads_local_files(tmp_path, tokenizer, text_dir):
 
 def test_self_distill_is_written_by_the_teacher_and_cached(tiny_llama, tokenizer, monkeypatch):
     teacher = resolve_source(str(tiny_llama), Path.cwd()).load_model()
-    spec = {"sources": [{"self_distill": {"prompts": ["the garden", "a letter", "her sister"], "max_new_tokens": 12,
-                                          "samples": 2}}], "window": 16, "heldout_windows": 0}
+    spec = {
+        "sources": [
+            {"self_distill": {"prompts": ["the garden", "a letter", "her sister"], "max_new_tokens": 12, "samples": 2}}
+        ],
+        "window": 16,
+        "heldout_windows": 0,
+    }
     calls = []
     original = teacher.generate
 

@@ -29,8 +29,9 @@ import traceback
 import pytest
 import torch
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed, so the Triton kernels are not checked")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed, so the Triton kernels are not checked"
+)
 
 SCALE = 0.3
 ATOL = {torch.float32: 1e-4, torch.float16: 3e-3}
@@ -78,8 +79,10 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     for i in range(q.shape[0]):
         for h in range(heads):
             kv = h // (heads // kv_heads)
-            logits = [SCALE * float(q[i, h].double() @ k[j, kv].double()) if allowed[i, j] else -math.inf
-                      for j in range(k.shape[0])]
+            logits = [
+                SCALE * float(q[i, h].double() @ k[j, kv].double()) if allowed[i, j] else -math.inf
+                for j in range(k.shape[0])
+            ]
             top = max(logits)
             weights = torch.tensor([math.exp(x - top) for x in logits], dtype=torch.float64)
             out[i, h] = (weights[:, None] * v[:, kv].double()).sum(0) / weights.sum()
@@ -106,8 +109,8 @@ def test_paged_decode_reference_matches_a_naive_loop():
     out = paged_decode_attention_reference(q, k_cache, v_cache, tables, lengths, SCALE)
     for row, length in enumerate(DECODE_LENGTHS):
         k, v = positions(k_cache, tables[row], length), positions(v_cache, tables[row], length)
-        expected = naive_attention(q[row:row + 1], k, v, torch.ones(1, length, dtype=torch.bool))
-        torch.testing.assert_close(out[row:row + 1].double(), expected, atol=1e-5, rtol=0)
+        expected = naive_attention(q[row : row + 1], k, v, torch.ones(1, length, dtype=torch.bool))
+        torch.testing.assert_close(out[row : row + 1].double(), expected, atol=1e-5, rtol=0)
 
 
 def check_paged_decode(dtype: torch.dtype, small_tiles: bool):
@@ -140,9 +143,9 @@ def prefill_case(dtype: torch.dtype, with_spans: bool):
     if with_spans:
         spans = torch.full((int(cu_k[-1]),), -1, dtype=torch.int32)
         start = int(cu_k[2])
-        spans[start + 10:start + 25] = 0  # an image that straddles the cached prefix and the chunk
-        spans[start + 28:start + 35] = 1  # an image inside the chunk, longer than a query block
-        spans[int(cu_k[3]):int(cu_k[3]) + 6] = 0  # ids repeat across sequences: they are per sequence
+        spans[start + 10 : start + 25] = 0  # an image that straddles the cached prefix and the chunk
+        spans[start + 28 : start + 35] = 1  # an image inside the chunk, longer than a query block
+        spans[int(cu_k[3]) : int(cu_k[3]) + 6] = 0  # ids repeat across sequences: they are per sequence
     return q, k, v, cu_q, cu_k, SCALE, spans
 
 
@@ -151,15 +154,20 @@ def test_prefill_reference_matches_a_naive_loop():
 
     q, k, v, cu_q, cu_k, scale, spans = prefill_case(torch.float32, with_spans=True)
     out = prefill_attention_reference(q, k, v, cu_q, cu_k, scale, spans)
-    assert not torch.allclose(out, prefill_attention_reference(q, k, v, cu_q, cu_k, scale), atol=1e-3), \
+    assert not torch.allclose(out, prefill_attention_reference(q, k, v, cu_q, cu_k, scale), atol=1e-3), (
         "the spans must change the result, or this case checks nothing about them"
+    )
     for i, (lq, lk) in enumerate(PREFILL_SHAPES):
         q0, k0 = int(cu_q[i]), int(cu_k[i])
-        own = spans[k0:k0 + lk].tolist()
-        allowed = torch.tensor([[key <= lk - lq + j or (own[key] >= 0 and own[key] == own[lk - lq + j])
-                                 for key in range(lk)] for j in range(lq)])
-        expected = naive_attention(q[q0:q0 + lq], k[k0:k0 + lk], v[k0:k0 + lk], allowed)
-        torch.testing.assert_close(out[q0:q0 + lq].double(), expected, atol=1e-5, rtol=0)
+        own = spans[k0 : k0 + lk].tolist()
+        allowed = torch.tensor(
+            [
+                [key <= lk - lq + j or (own[key] >= 0 and own[key] == own[lk - lq + j]) for key in range(lk)]
+                for j in range(lq)
+            ]
+        )
+        expected = naive_attention(q[q0 : q0 + lq], k[k0 : k0 + lk], v[k0 : k0 + lk], allowed)
+        torch.testing.assert_close(out[q0 : q0 + lq].double(), expected, atol=1e-5, rtol=0)
 
 
 def check_prefill(dtype: torch.dtype, small_tiles: bool, with_spans: bool):
@@ -197,8 +205,14 @@ def test_indexer_reference_matches_a_naive_loop():
     for row, length in enumerate(SPARSE_VISIBLE):
         keys = positions(index_k_cache, tables[row], length)
         for s in range(max(SPARSE_VISIBLE)):
-            expected = -math.inf if s >= length else sum(
-                float(weights[row, h]) * max(0.0, scale * float(index_q[row, h] @ keys[s])) for h in range(index_q.shape[1]))
+            expected = (
+                -math.inf
+                if s >= length
+                else sum(
+                    float(weights[row, h]) * max(0.0, scale * float(index_q[row, h] @ keys[s]))
+                    for h in range(index_q.shape[1])
+                )
+            )
             assert scores[row, s].item() == pytest.approx(expected, abs=1e-5)
 
 
@@ -238,8 +252,8 @@ def test_sparse_reference_matches_dense_attention_over_the_chosen_keys():
         allowed = torch.zeros(1, length, dtype=torch.bool)
         allowed[0, [i for i in indices[row].tolist() if i >= 0]] = True
         k, v = positions(k_cache, tables[row], length), positions(v_cache, tables[row], length)
-        expected = naive_attention(q[row:row + 1], k, v, allowed)
-        torch.testing.assert_close(out[row:row + 1].double(), expected, atol=1e-5, rtol=0)
+        expected = naive_attention(q[row : row + 1], k, v, allowed)
+        torch.testing.assert_close(out[row : row + 1].double(), expected, atol=1e-5, rtol=0)
 
 
 def check_sparse(dtype: torch.dtype, small_tiles: bool):
@@ -268,8 +282,12 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}  # the interpreter's mat
 TILES = {"small-tiles": True, "default-tiles": False}
 CHECKS = {
     **{f"paged_decode[{d}-{t}]": (check_paged_decode, DTYPES[d], TILES[t]) for d in DTYPES for t in TILES},
-    **{f"prefill[{d}-{t}-{m}]": (check_prefill, DTYPES[d], TILES[t], m == "image-spans")
-       for d in DTYPES for t in TILES for m in ("causal", "image-spans")},
+    **{
+        f"prefill[{d}-{t}-{m}]": (check_prefill, DTYPES[d], TILES[t], m == "image-spans")
+        for d in DTYPES
+        for t in TILES
+        for m in ("causal", "image-spans")
+    },
     **{f"indexer_scores[{d}-{t}]": (check_indexer, DTYPES[d], TILES[t]) for d in DTYPES for t in TILES},
     **{f"sparse_paged[{d}-{t}]": (check_sparse, DTYPES[d], TILES[t]) for d in DTYPES for t in TILES},
     "sparse_paged[row-selected-nothing]": (check_sparse_row_that_selected_nothing_reads_zeros,),
@@ -289,7 +307,7 @@ def run_checks() -> dict[str, str]:
         try:
             check(*args)
             results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per check, so one failure does not hide the rest
+        except Exception:
             results[name] = traceback.format_exc()
     return results
 
@@ -310,14 +328,17 @@ def test_triton_kernel_matches_reference_under_interpreter(interpreted_results, 
 
 # ---- packaging ----------------------------------------------------------------------------------
 
+
 def test_kernel_modules_import_without_triton():
     """A machine without triton keeps the references and simply lacks the Triton versions."""
-    probe = ("import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-             "import surgeon.kernels.paged_attention as a, surgeon.kernels.prefill_attention as b, "
-             "surgeon.kernels.sparse_attention as c\n"
-             "assert a.paged_decode_attention_reference and not hasattr(a, 'paged_decode_attention')\n"
-             "assert not hasattr(b, 'prefill_attention') and not hasattr(c, 'indexer_scores')\n"
-             "assert not hasattr(c, 'sparse_paged_attention') and c.select_top_k")
+    probe = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import surgeon.kernels.paged_attention as a, surgeon.kernels.prefill_attention as b, "
+        "surgeon.kernels.sparse_attention as c\n"
+        "assert a.paged_decode_attention_reference and not hasattr(a, 'paged_decode_attention')\n"
+        "assert not hasattr(b, 'prefill_attention') and not hasattr(c, 'indexer_scores')\n"
+        "assert not hasattr(c, 'sparse_paged_attention') and c.select_top_k"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

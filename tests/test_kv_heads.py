@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILIES
 from transformers import AutoModelForCausalLM
 
+from conftest import FAMILIES
 from surgeon.errors import RecipeError
-from surgeon.surgery.kv_heads import merge_keys, merge_values, relative_error
 from surgeon.recipe.plan import plan_recipe
-from surgeon.recipe.schema import load_recipe
 from surgeon.recipe.run import run_recipe
+from surgeon.recipe.schema import load_recipe
+from surgeon.surgery.kv_heads import merge_keys, merge_values, relative_error
 
 
 def _recipe(write_recipe, base, text_dir, kv_heads: int, init: str) -> str:
@@ -27,7 +27,7 @@ def _recipe(write_recipe, base, text_dir, kv_heads: int, init: str) -> str:
         steps:
           - reduce_kv_heads: {{kv_heads: {kv_heads}, init: {init}, {calibration}}}
           - evaluate:
-              data: {{text: {text_dir / 'heldout.txt'}, tokens: 512, window: 128}}
+              data: {{text: {text_dir / "heldout.txt"}, tokens: 512, window: 128}}
         """)
 
 
@@ -44,7 +44,10 @@ def test_mqa_export_is_the_standard_architecture(write_recipe, tiny_models, text
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, result.patient.model(input_ids=ids).logits, atol=1e-5)
     entry = result.report["provenance"][0]
-    assert entry["details"]["kv_cache_bytes_per_token"]["after"] * 2 == entry["details"]["kv_cache_bytes_per_token"]["before"]
+    assert (
+        entry["details"]["kv_cache_bytes_per_token"]["after"] * 2
+        == entry["details"]["kv_cache_bytes_per_token"]["before"]
+    )
     errors = entry["details"]["relative_error"]
     assert set(errors) == {"mean", "first", "svd"}
     # The fitted heads reproduce the parent's values at least as well as averaging (it is optimal
@@ -57,8 +60,8 @@ def test_mqa_export_is_the_standard_architecture(write_recipe, tiny_models, text
 def test_svd_is_exact_when_heads_share_a_subspace(tiny_models, tokenizer_dir):
     """Two KV heads whose keys differ by a complex scale per rotary pair and whose values differ
     by an orthogonal map merge into one with no change to the model's output; mean does not."""
-    from surgeon.surgery.kv_merge import attention_input_covariance, merge_kv_heads
     from surgeon.surgery import architecture
+    from surgeon.surgery.kv_merge import attention_input_covariance, merge_kv_heads
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
     hd = architecture.head_dim(model.config)
@@ -70,8 +73,8 @@ def test_svd_is_exact_when_heads_share_a_subspace(tiny_models, tokenizer_dir):
             angle, scale = torch.rand(half) * 6.28, 0.5 + torch.rand(half)
             a, b = scale * torch.cos(angle), scale * torch.sin(angle)
             k0 = k[:hd].clone()
-            k[hd:hd + half] = a[:, None] * k0[:half] - b[:, None] * k0[half:]
-            k[hd + half:] = b[:, None] * k0[:half] + a[:, None] * k0[half:]
+            k[hd : hd + half] = a[:, None] * k0[:half] - b[:, None] * k0[half:]
+            k[hd + half :] = b[:, None] * k0[:half] + a[:, None] * k0[half:]
             rotation, _ = torch.linalg.qr(torch.randn(hd, hd))
             v[hd:] = rotation @ v[:hd]
     ids = torch.randint(3, 300, (4, 24))
@@ -124,7 +127,7 @@ def test_best_init_is_measured_against_the_parent_and_kept(write_recipe, tiny_ll
           - reduce_kv_heads:
               kv_heads: 1
               init: best
-              calibration: {{text: {text_dir / 'calibration.txt'}, tokens: 512, window: 128}}
+              calibration: {{text: {text_dir / "calibration.txt"}, tokens: 512, window: 128}}
               compare: {data}
         """)
     result = run_recipe(load_recipe(recipe), out=tmp_path / "out")
@@ -150,8 +153,10 @@ print("ok")
 
 
 def test_best_needs_compare_text(write_recipe, tiny_llama, text_dir):
-    recipe = write_recipe(f"name: x\nbase: {tiny_llama}\nsteps:\n  - reduce_kv_heads:\n      kv_heads: 1\n      init: best\n"
-                          f"      calibration: {{text: {text_dir / 'calibration.txt'}}}\n")
+    recipe = write_recipe(
+        f"name: x\nbase: {tiny_llama}\nsteps:\n  - reduce_kv_heads:\n      kv_heads: 1\n      init: best\n"
+        f"      calibration: {{text: {text_dir / 'calibration.txt'}}}\n"
+    )
     with pytest.raises(RecipeError, match="give `compare` text"):
         load_recipe(recipe)
 

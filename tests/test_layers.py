@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import FAMILIES, save_tiny_model
-from surgeon.text import TextData
-from surgeon.ops import OPERATIONS
-from surgeon.recipe.step import BASE, StepContext
-from surgeon.recipe.patient import Patient
 from surgeon.checkpoints.sources import resolve_source
+from surgeon.ops import OPERATIONS
+from surgeon.recipe.patient import Patient
+from surgeon.recipe.step import BASE, StepContext
+from surgeon.text import TextData
 
 
 def load_patient(folder: Path) -> Patient:
@@ -34,17 +34,25 @@ def skip_layers(model, skipped: list[int]):
     """Hooks that make `skipped` layers of `model` return their input: an independent reference."""
     hooks = []
     for index in skipped:
+
         def identity(_module, args, kwargs, output):
             hidden = args[0] if args else kwargs["hidden_states"]
             return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
         hooks.append(model.model.layers[index].register_forward_hook(identity, with_kwargs=True))
     return hooks
 
 
 def greedy(model, ids: torch.Tensor, use_cache: bool) -> torch.Tensor:
     with torch.no_grad():
-        return model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, use_cache=use_cache,
-                              pad_token_id=2, attention_mask=torch.ones_like(ids))
+        return model.generate(
+            input_ids=ids,
+            max_new_tokens=8,
+            do_sample=False,
+            use_cache=use_cache,
+            pad_token_id=2,
+            attention_mask=torch.ones_like(ids),
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -71,8 +79,10 @@ def test_drop_layers_equals_skipping_them_in_the_parent(family, tiny_models):
     assert torch.equal(greedy(child.model, ids[:1, :12], True), greedy(child.model, ids[:1, :12], False))
     # The parent is untouched and the child shares its tensors (no copy was made).
     assert patient.parent.config.num_hidden_layers == 6
-    assert child.model.model.layers[1].mlp.up_proj.weight.data_ptr() == \
-        patient.parent.model.layers[2].mlp.up_proj.weight.data_ptr()
+    assert (
+        child.model.model.layers[1].mlp.up_proj.weight.data_ptr()
+        == patient.parent.model.layers[2].mlp.up_proj.weight.data_ptr()
+    )
     (entry,) = child.provenance
     assert entry.params["layers"] == [1, 3, 4] and entry.before["layers"] == 6 and entry.after["layers"] == 3
 
@@ -81,7 +91,12 @@ def test_gemma3_keeps_each_layers_attention_type(tiny_models):
     patient = load_patient(tiny_models["gemma3"])
     assert patient.parent.config.layer_types[:3] == ["sliding_attention", "sliding_attention", "full_attention"]
     child = apply("drop_layers", {"layers": [0, 1]}, patient)
-    assert child.model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert child.model.config.layer_types == [
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
     assert [layer.self_attn.layer_type for layer in child.model.model.layers] == child.model.config.layer_types
 
 
@@ -100,15 +115,20 @@ def _with_identity_layers(folder: Path, tmp_path: Path, layers: list[int]) -> Pa
     return out
 
 
-@pytest.mark.parametrize(("metric", "identity", "expected"), [
-    ("angular", [2, 3], [2, 3]),
-    ("block_influence", [1, 4], [1, 4]),
-    ("kl", [2, 3], [2, 3]),
-])
+@pytest.mark.parametrize(
+    ("metric", "identity", "expected"),
+    [
+        ("angular", [2, 3], [2, 3]),
+        ("block_influence", [1, 4], [1, 4]),
+        ("kl", [2, 3], [2, 3]),
+    ],
+)
 def test_auto_drop_finds_the_layers_that_do_nothing(metric, identity, expected, tiny_llama, tmp_path, text_dir):
     patient = load_patient(_with_identity_layers(tiny_llama, tmp_path, identity))
-    params = {"auto": {"metric": metric, "count": 2},
-              "calibration": {"text": str(text_dir / "calibration.txt"), "tokens": 1024, "window": 128}}
+    params = {
+        "auto": {"metric": metric, "count": 2},
+        "calibration": {"text": str(text_dir / "calibration.txt"), "tokens": 1024, "window": 128},
+    }
     child = apply("drop_layers", params, patient)
     (entry,) = child.provenance
     assert entry.params["layers"] == expected
@@ -149,8 +169,12 @@ def test_stack_takes_layers_from_another_checkpoint(tiny_llama, tmp_path, tokeni
     donor_folder = save_tiny_model(tmp_path / "donor", "llama", tokenizer_dir, seed=7)
     donor = resolve_source(str(donor_folder), Path.cwd())
     patient = load_patient(tiny_llama)
-    child = apply("stack", {"slices": [{"layers": ["0-2"]}, {"source": "donor", "layers": [4, 5]}]},
-                  patient, sources={"donor": donor})
+    child = apply(
+        "stack",
+        {"slices": [{"layers": ["0-2"]}, {"source": "donor", "layers": [4, 5]}]},
+        patient,
+        sources={"donor": donor},
+    )
     donor_model = donor.load_model()
     layers = child.model.model.layers
     assert len(layers) == 5

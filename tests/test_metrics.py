@@ -7,17 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES
 
-from surgeon.text import TextData, token_windows
-from surgeon.measure.metrics import compare_to_parent, parent_reference
+from conftest import FAMILIES
 from surgeon.checkpoints.sources import resolve_source
+from surgeon.measure.metrics import compare_to_parent, parent_reference
+from surgeon.text import TextData, token_windows
 
 
 @pytest.fixture
 def setup(tiny_models, text_dir):
     parent = resolve_source(str(tiny_models["llama"]), Path.cwd())
-    windows = token_windows(parent.load_tokenizer(), [text_dir / "heldout.txt"], TextData(text="x", tokens=768, window=128))
+    windows = token_windows(
+        parent.load_tokenizer(), [text_dir / "heldout.txt"], TextData(text="x", tokens=768, window=128)
+    )
     return parent, windows
 
 
@@ -36,7 +38,9 @@ def test_metrics_match_a_direct_computation(setup, tiny_models):
     parent, windows = setup
     parent_model = parent.load_model()
     child_model = resolve_source(str(tiny_models["qwen2"]), Path.cwd()).load_model()  # same vocabulary
-    metrics = compare_to_parent(child_model, windows, parent_reference(lambda: parent_model, windows, parent.fingerprint()))
+    metrics = compare_to_parent(
+        child_model, windows, parent_reference(lambda: parent_model, windows, parent.fingerprint())
+    )
 
     with torch.no_grad():
         p = torch.log_softmax(parent_model(input_ids=windows).logits[:, :-1].double(), -1)

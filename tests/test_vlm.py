@@ -7,25 +7,45 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, CLIPVisionConfig
 
+from conftest import tiny_config
 from surgeon.errors import DataError
 from surgeon.modeling import SurgeonVLMConfig, SurgeonVLMForConditionalGeneration
-
-from conftest import tiny_config
 
 
 def tiny_vlm(projector: str = "mlp2x_gelu", timm: bool = False) -> SurgeonVLMForConditionalGeneration:
     text = tiny_config("llama")
     torch.manual_seed(0)
     if timm:
-        config = SurgeonVLMConfig(text_config=text, timm_architecture="tf_efficientnet_lite0", image_size=64,
-                                  vision_hidden_size=1280, vision_grid=[2, 2], vision_tokens=4,
-                                  projector=projector, image_token_id=text.vocab_size)
+        config = SurgeonVLMConfig(
+            text_config=text,
+            timm_architecture="tf_efficientnet_lite0",
+            image_size=64,
+            vision_hidden_size=1280,
+            vision_grid=[2, 2],
+            vision_tokens=4,
+            projector=projector,
+            image_token_id=text.vocab_size,
+        )
     else:
-        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  image_size=32, patch_size=8)
-        config = SurgeonVLMConfig(text_config=text, vision_config=vision, image_size=32, vision_hidden_size=32,
-                                  vision_grid=[4, 4], vision_tokens=16, vision_layer=-2, projector=projector,
-                                  image_token_id=text.vocab_size)
+        vision = CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        )
+        config = SurgeonVLMConfig(
+            text_config=text,
+            vision_config=vision,
+            image_size=32,
+            vision_hidden_size=32,
+            vision_grid=[4, 4],
+            vision_tokens=16,
+            vision_layer=-2,
+            projector=projector,
+            image_token_id=text.vocab_size,
+        )
     model = SurgeonVLMForConditionalGeneration(config).eval()
     with torch.no_grad():  # larger weights than the default init, so images visibly matter
         for p in model.projector.parameters():
@@ -60,7 +80,7 @@ def test_images_replace_their_placeholders(projector, timm):
         embeds = model.embed(ids, a)
         features = model.image_features(a)
         n = model.config.image_seq_length
-        assert torch.equal(embeds[0, 1:1 + n], features[0]) and torch.equal(embeds[0, 1 + n:1 + 2 * n], features[1])
+        assert torch.equal(embeds[0, 1 : 1 + n], features[0]) and torch.equal(embeds[0, 1 + n : 1 + 2 * n], features[1])
     with pytest.raises(ValueError, match="image placeholder tokens"):
         model(input_ids=ids, pixel_values=a[:1])
     with pytest.raises(ValueError, match="no pixel_values"):
@@ -72,8 +92,9 @@ def test_generate_with_images_matches_a_cache_free_greedy_loop():
     ids = prompt(model, 1, [5, 9])
     pixels = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
-        generated = model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=6, do_sample=False,
-                                   pad_token_id=2, eos_token_id=None)
+        generated = model.generate(
+            input_ids=ids, pixel_values=pixels, max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None
+        )
         expected = ids
         for _ in range(6):
             logits = model(input_ids=expected, pixel_values=pixels).logits[0, -1]
@@ -105,8 +126,9 @@ def test_save_and_load_give_identical_logits(tmp_path):
     assert isinstance(loaded, SurgeonVLMForConditionalGeneration)
     ids, pixels = prompt(model, 1, [5, 9, 40]), torch.randn(1, 3, 32, 32)
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids, pixel_values=pixels).logits,
-                           loaded(input_ids=ids, pixel_values=pixels).logits)
+        assert torch.equal(
+            model(input_ids=ids, pixel_values=pixels).logits, loaded(input_ids=ids, pixel_values=pixels).logits
+        )
 
 
 def test_plain_transformers_loads_the_export_as_remote_code(tmp_path):

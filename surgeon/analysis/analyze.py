@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..text import TextData, describe_files, resolve_files, token_windows
 from ..checkpoints.atomic import atomic_folder
 from ..checkpoints.sources import resolve_source
 from ..report import figures
+from ..text import TextData, describe_files, resolve_files, token_windows
 from .html_report import render_html
 from .measures import LayerMeasures, measure
 from .suggest import Suggestion, recipe_text, suggest
@@ -37,8 +37,9 @@ class Report:
         return self.folder / "suggested-recipe.yaml"
 
 
-def analyze(model_spec: str, data_files: list[str], out_dir: str | Path, tokens: int = 8192,
-            window: int = 512) -> Report:
+def analyze(
+    model_spec: str, data_files: list[str], out_dir: str | Path, tokens: int = 8192, window: int = 512
+) -> Report:
     started = time.perf_counter()
     source = resolve_source(model_spec, Path.cwd())
     files = resolve_files(list(data_files), Path.cwd(), "data")
@@ -64,8 +65,7 @@ def analyze(model_spec: str, data_files: list[str], out_dir: str | Path, tokens:
 def draw(m: LayerMeasures, suggestion: Suggestion | None = None) -> list[figures.Figure]:
     chosen = suggestion.drop if suggestion else None
     sizes = sorted({n for n in (1, 2, 4, len(chosen or [])) if n in m.angular})
-    drawn = [figures.angular_distance(m.angular, sizes, chosen),
-             figures.block_influence(m.influence, chosen)]
+    drawn = [figures.angular_distance(m.angular, sizes, chosen), figures.block_influence(m.influence, chosen)]
     if m.kv_similarity:
         drawn.append(figures.kv_similarity(m.kv_similarity, m.merge_loss))
     if m.recall:

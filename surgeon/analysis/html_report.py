@@ -10,20 +10,32 @@ from ..report.figures import Figure
 from .measures import LayerMeasures
 
 
-def render_html(title: str, m: LayerMeasures, figures: list[Figure], summary: str, reasons: list[str],
-                recipe: str) -> str:
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}img{max-width:100%}"
-             "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;"
-             "text-align:right}pre{background:#f6f6f6;padding:1em;overflow:auto}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1>", f"<h2>Suggestion</h2><p><b>{html.escape(summary)}</b></p><ul>",
-             *[f"<li>{html.escape(r)}</li>" for r in reasons], "</ul>"]
+def render_html(
+    title: str, m: LayerMeasures, figures: list[Figure], summary: str, reasons: list[str], recipe: str
+) -> str:
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}img{max-width:100%}"
+        "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;"
+        "text-align:right}pre{background:#f6f6f6;padding:1em;overflow:auto}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<h2>Suggestion</h2><p><b>{html.escape(summary)}</b></p><ul>",
+        *[f"<li>{html.escape(r)}</li>" for r in reasons],
+        "</ul>",
+    ]
     for figure in figures:
         data = base64.b64encode(figure.png).decode()
-        parts.append(f"<h2>{html.escape(figure.title)}</h2><p><code>{figure.name}</code></p>"
-                     f"<img alt='{figure.name}' src='data:image/png;base64,{data}'>")
-    parts += ["<h2>Per layer</h2>", _table(m), "<h2>Suggested recipe</h2>",
-              f"<p><code>suggested-recipe.yaml</code></p><pre>{html.escape(recipe)}</pre>", "</body></html>"]
+        parts.append(
+            f"<h2>{html.escape(figure.title)}</h2><p><code>{figure.name}</code></p>"
+            f"<img alt='{figure.name}' src='data:image/png;base64,{data}'>"
+        )
+    parts += [
+        "<h2>Per layer</h2>",
+        _table(m),
+        "<h2>Suggested recipe</h2>",
+        f"<p><code>suggested-recipe.yaml</code></p><pre>{html.escape(recipe)}</pre>",
+        "</body></html>",
+    ]
     return "\n".join(parts)
 
 
@@ -38,5 +50,7 @@ def _table(m: LayerMeasures) -> str:
     rows = ["<table><tr><th>layer</th>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns) + "</tr>"]
     for layer in range(m.layers):
         cells = [values[layer] if layer < len(values) else None for values in columns.values()]
-        rows.append(f"<tr><td>{layer}</td>" + "".join(f"<td>{'' if v is None else f'{v:.4f}'}</td>" for v in cells) + "</tr>")
+        rows.append(
+            f"<tr><td>{layer}</td>" + "".join(f"<td>{'' if v is None else f'{v:.4f}'}</td>" for v in cells) + "</tr>"
+        )
     return "\n".join(rows + ["</table>"])

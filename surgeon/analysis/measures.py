@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import families
+from ..modeling.sparse_attention import sparse_modules
 from ..surgery import architecture
 from ..surgery.kv_heads import merge_keys, merge_values, relative_error
 from ..surgery.kv_merge import key_input_covariance
-from ..modeling.sparse_attention import sparse_modules
 from ..surgery.layer_scores import angular_distances, boundary_statistics
 from ..training.indexer import measure_recall
 
@@ -38,9 +38,11 @@ class LayerMeasures:
 
     def as_dict(self) -> dict:
         return {
-            "layers": self.layers, "kv_heads": self.kv_heads,
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
             "angular_distance": {str(n): d for n, d in self.angular.items()},
-            "block_influence": self.influence, "kv_head_similarity": self.kv_similarity,
+            "block_influence": self.influence,
+            "kv_head_similarity": self.kv_similarity,
             "kv_merge_energy_lost": {str(t): m for t, m in self.merge_loss.items()},
             "indexer_recall": None if self.recall is None else {str(k): v for k, v in self.recall.items()},
         }
@@ -107,7 +109,7 @@ def svd_merge_loss(model, sigmas: list[torch.Tensor], target: int) -> dict[str, 
             heads = _with_bias(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
             lost = total = 0.0
             for group in range(target):
-                weights = list(heads[group * r:(group + 1) * r])
+                weights = list(heads[group * r : (group + 1) * r])
                 err, tot = relative_error(weights, merger(weights, sigma, init), sigma)
                 lost, total = lost + err, total + tot
             result[kind].append(lost / total if total else 0.0)
@@ -117,5 +119,7 @@ def svd_merge_loss(model, sigmas: list[torch.Tensor], target: int) -> dict[str, 
 def _with_bias(linear: torch.nn.Linear) -> torch.Tensor:
     """[out, in + 1] in float64, the bias (or zeros) as the last column, matching the covariance."""
     weight = linear.weight.detach().double()
-    bias = linear.bias.detach().double() if linear.bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+    bias = (
+        linear.bias.detach().double() if linear.bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+    )
     return torch.cat([weight, bias[:, None]], dim=1)

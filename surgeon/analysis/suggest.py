@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from ..recipe.layer_spec import format_ranges
 from .. import families
+from ..recipe.layer_spec import format_ranges
 from .measures import LayerMeasures
 
 MAX_ANGULAR = 0.15
@@ -43,8 +43,10 @@ def suggest(m: LayerMeasures) -> Suggestion:
     size = max(fits, default=1)
     start = best[size]
     drop = list(range(start, start + size))
-    reasons = [f"layers {format_ranges(drop)}: the {size}-layer block with the smallest angular distance "
-               f"({m.angular[size][start]:.3f}; limit {MAX_ANGULAR} for at most {limit} layers)"]
+    reasons = [
+        f"layers {format_ranges(drop)}: the {size}-layer block with the smallest angular distance "
+        f"({m.angular[size][start]:.3f}; limit {MAX_ANGULAR} for at most {limit} layers)"
+    ]
     if size < limit and size + 1 in m.angular:
         reasons[-1] += f"; the best {size + 1}-layer block would be {m.angular[size + 1][best[size + 1]]:.3f}"
     kv = None
@@ -54,15 +56,18 @@ def suggest(m: LayerMeasures) -> Suggestion:
         summary = ", ".join(f"{_heads(t)} {lost:.1%}" for t, lost in sorted(losses.items()))
         if fitting:
             kv = min(fitting)
-            reasons.append(f"{m.kv_heads} -> {_heads(kv)}: an svd merge loses at most {losses[kv]:.1%} of the K or V "
-                           f"output energy (mean over layers; limit {MAX_MERGE_LOSS:.0%}; {summary})")
+            reasons.append(
+                f"{m.kv_heads} -> {_heads(kv)}: an svd merge loses at most {losses[kv]:.1%} of the K or V "
+                f"output energy (mean over layers; limit {MAX_MERGE_LOSS:.0%}; {summary})"
+            )
         else:
             reasons.append(f"keep {m.kv_heads} KV heads: every merge loses more than {MAX_MERGE_LOSS:.0%} ({summary})")
     return Suggestion(drop, kv, reasons)
 
 
-def recipe_text(s: Suggestion, name: str, model_spec: str, model_type: str, data_files: list[Path],
-                recipe_dir: Path, tokens: int) -> str:
+def recipe_text(
+    s: Suggestion, name: str, model_spec: str, model_type: str, data_files: list[Path], recipe_dir: Path, tokens: int
+) -> str:
     """The suggested recipe as YAML, paths relative to `recipe_dir` (where it is written)."""
     text = [_relative(f, recipe_dir) for f in data_files]
     text = text[0] if len(text) == 1 else text
@@ -75,15 +80,31 @@ def recipe_text(s: Suggestion, name: str, model_spec: str, model_type: str, data
     if s.kv_heads:
         steps.append({"reduce_kv_heads": {"kv_heads": s.kv_heads, "init": "svd", "calibration": calibration}})
     evaluate = {"evaluate": {"data": calibration}}
-    steps += [evaluate, {"heal": {
-        "data": {"sources": [{"text": text, "tokens": 20480}], "window": 256, "heldout_windows": 4},
-        "train": {"params": ["model.layers"]}, "steps": 60, "batch_size": 4,
-        "optimizer": {"lr": 5.0e-4, "warmup_steps": 4}, "eval": {"every": 20}}}, evaluate]
-    recipe = {"name": name, "description": f"Suggested by surgeon analyze: {s.summary()}.", "base": base,
-              "steps": steps}
-    header = ["# Suggested by `surgeon analyze` from the curves in report.html; edit before running.",
-              *[f"# - {reason}" for reason in s.reasons],
-              "# The evaluate steps read the analysis text: point them at held-out text for a fair measure."]
+    steps += [
+        evaluate,
+        {
+            "heal": {
+                "data": {"sources": [{"text": text, "tokens": 20480}], "window": 256, "heldout_windows": 4},
+                "train": {"params": ["model.layers"]},
+                "steps": 60,
+                "batch_size": 4,
+                "optimizer": {"lr": 5.0e-4, "warmup_steps": 4},
+                "eval": {"every": 20},
+            }
+        },
+        evaluate,
+    ]
+    recipe = {
+        "name": name,
+        "description": f"Suggested by surgeon analyze: {s.summary()}.",
+        "base": base,
+        "steps": steps,
+    }
+    header = [
+        "# Suggested by `surgeon analyze` from the curves in report.html; edit before running.",
+        *[f"# - {reason}" for reason in s.reasons],
+        "# The evaluate steps read the analysis text: point them at held-out text for a fair measure.",
+    ]
     return "\n".join(header) + "\n" + yaml.dump(recipe, Dumper=_NoAliases, sort_keys=False, width=100)
 
 

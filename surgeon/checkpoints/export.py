@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_folder
-from ..report.card import render_card
 from ..errors import ExportError
+from ..report.card import render_card
 from ..report.plots import report_plots
-from .sources import DTYPES
 from ..vision.export import hf_processor, llava_compatible, to_llava
 from ..vision.graft import is_vlm
+from .atomic import atomic_folder
+from .sources import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +98,25 @@ def push_folder(folder: Path, repo_id: str, private: bool = False) -> str:
         raise ExportError(f"{folder} is not a surgeon export (missing {', '.join(missing)})")
     token = get_token()
     if not token:
-        raise ExportError(
-            "no Hugging Face token: run `hf auth login` or set HF_TOKEN (nothing was uploaded)"
-        )
+        raise ExportError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (nothing was uploaded)")
     api = HfApi(token=token)
     try:
         user = api.whoami()
     except HfHubHTTPError as exc:
         raise ExportError(f"the Hub refused the token ({exc}); nothing was uploaded") from None
     except Exception as exc:  # network errors come in many types (requests, httpx, OSError)
-        raise ExportError(f"cannot reach the Hugging Face Hub ({type(exc).__name__}: {exc}); nothing was uploaded") from None
+        raise ExportError(
+            f"cannot reach the Hugging Face Hub ({type(exc).__name__}: {exc}); nothing was uploaded"
+        ) from None
     log.info("uploading %s to %s as %s", folder, repo_id, user.get("name", "?"))
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                          commit_message="Upload model made with model-surgeon")
+        api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo_id,
+            repo_type="model",
+            commit_message="Upload model made with model-surgeon",
+        )
     except Exception as exc:
         raise ExportError(f"upload to {repo_id} failed: {type(exc).__name__}: {exc}") from None
     return str(url)

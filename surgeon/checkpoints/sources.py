@@ -18,12 +18,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from ..errors import SourceError
 from ..surgery import architecture
+from ..surgery.selection import select, unmatched_patterns
 from .aliases import ALIASES, Alias
 from .atomic import atomic_folder
 from .cache import cache_dir
-from ..errors import SourceError
-from ..surgery.selection import select, unmatched_patterns
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +195,7 @@ def resolve_source(
     trust_remote_code: bool = False,
 ) -> Source:
     """Turn what the user wrote into a Source, checking it exists (no weights are read)."""
-    common = dict(
-        modules=tuple(modules) if modules else None, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
-    )
+    common = dict(modules=tuple(modules) if modules else None, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     if spec in ALIASES:
         ALIASES[spec].version()  # a clear "install it with ..." error when the wheel is missing
         return Source(label=spec, kind="alias", location=spec, **common)

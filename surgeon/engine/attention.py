@@ -16,8 +16,9 @@ def _pick(module, name: str, tensor: torch.Tensor):
     return getattr(module, f"{name}_reference")
 
 
-def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch,
-                    scale: float) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, scale: float
+) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]; this step's keys/values are already in the cache."""
     if not batch.prefill and batch.key_slots is not None:
         # Off CUDA: the reference's arithmetic, its gather indices built once per step.
@@ -32,9 +33,20 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return run(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, scale, batch.spans)
 
 
-def sparse_topk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index_q: torch.Tensor,
-                          index_weights: torch.Tensor, index_cache: torch.Tensor, batch: StepBatch, scale: float,
-                          index_scale: float, top_k: int, sinks: int, window: int) -> torch.Tensor:
+def sparse_topk_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    batch: StepBatch,
+    scale: float,
+    index_scale: float,
+    top_k: int,
+    sinks: int,
+    window: int,
+) -> torch.Tensor:
     """DSA: indexer scores over every visible key, top-k per query, attention over those keys only."""
     tables = batch.block_tables[batch.token_rows]
     visible = (batch.positions + 1).to(torch.int32)

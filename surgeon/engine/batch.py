@@ -11,17 +11,17 @@ import torch
 @dataclass
 class StepBatch:
     prefill: bool
-    positions: torch.Tensor      # [T] long, each token's position in its sequence
-    slots: torch.Tensor          # [T] long, where each token's key/value are written (block * size + row)
-    block_tables: torch.Tensor   # [B, max_blocks] int32, -1 padded
-    context_lens: torch.Tensor   # [B] int32, keys each sequence has after this step
-    token_rows: torch.Tensor     # [T] long, the sequence (row of block_tables) of each token
-    logit_rows: torch.Tensor     # [R] long, tokens whose next-token logits are needed
+    positions: torch.Tensor  # [T] long, each token's position in its sequence
+    slots: torch.Tensor  # [T] long, where each token's key/value are written (block * size + row)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    context_lens: torch.Tensor  # [B] int32, keys each sequence has after this step
+    token_rows: torch.Tensor  # [T] long, the sequence (row of block_tables) of each token
+    logit_rows: torch.Tensor  # [R] long, tokens whose next-token logits are needed
     # Prefill only: packed queries and keys per sequence (see kernels/prefill_attention.py).
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     context_slots: torch.Tensor | None = None  # [Tk] long, cache slots of every key of every sequence
-    spans: torch.Tensor | None = None          # [Tk] int32 image ids for bidirectional image attention
+    spans: torch.Tensor | None = None  # [Tk] int32 image ids for bidirectional image attention
     # Decode off CUDA: every sequence's key slots, padded, and which are real (one gather per layer).
-    key_slots: torch.Tensor | None = None      # [B, S] long
-    key_mask: torch.Tensor | None = None       # [B, 1, 1, S] bool
+    key_slots: torch.Tensor | None = None  # [B, S] long
+    key_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool

@@ -39,7 +39,7 @@ class BlockManager:
 
     def _chain(self, seq: Sequence, index: int, previous: int | None) -> tuple[int, tuple]:
         begin = index * self.block_size
-        tokens = tuple(seq.token_ids[begin:begin + self.block_size])
+        tokens = tuple(seq.token_ids[begin : begin + self.block_size])
         key = (tokens, seq.image_key(begin, begin + self.block_size))
         return hash((previous, key)), key
 

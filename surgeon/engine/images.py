@@ -36,15 +36,17 @@ def decode_data_url(url: str, limits: ImageLimits = ImageLimits()) -> Image.Imag
     """The RGB image in a base64 data: URL, or ImageError (400 malformed, 413 too large)."""
     if not url.startswith("data:"):
         shown = url if len(url) <= 60 else url[:57] + "..."
-        raise ImageError(f"image_url must be a data: URL (data:image/png;base64,...); got {shown!r}: "
-                         "this server does not fetch URLs")
+        raise ImageError(
+            f"image_url must be a data: URL (data:image/png;base64,...); got {shown!r}: this server does not fetch URLs"
+        )
     header, comma, payload = url.partition(",")
-    if not comma or not header.endswith(";base64") or not header[len("data:"):].startswith("image/"):
+    if not comma or not header.endswith(";base64") or not header[len("data:") :].startswith("image/"):
         raise ImageError(f"image_url: expected data:image/<type>;base64,<data>; got {header[:60]!r}")
     # 4 base64 characters carry 3 bytes: refuse before decoding anything.
     if len(payload) * 3 // 4 > limits.max_bytes + 3:
-        raise ImageError(f"image of ~{len(payload) * 3 // 4:,} bytes exceeds the limit of {limits.max_bytes:,} bytes",
-                         status=413)
+        raise ImageError(
+            f"image of ~{len(payload) * 3 // 4:,} bytes exceeds the limit of {limits.max_bytes:,} bytes", status=413
+        )
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -68,8 +70,10 @@ def _open_bounded(data: bytes, limits: ImageLimits) -> Image.Image:
         raise ImageError(f"image format {image.format} is not accepted (formats: {', '.join(FORMATS)})")
     width, height = image.size
     if width * height > limits.max_pixels:
-        raise ImageError(f"image of {width}x{height} = {width * height:,} pixels exceeds the limit of "
-                         f"{limits.max_pixels:,} pixels", status=413)
+        raise ImageError(
+            f"image of {width}x{height} = {width * height:,} pixels exceeds the limit of {limits.max_pixels:,} pixels",
+            status=413,
+        )
     if width == 0 or height == 0:
         raise ImageError("image_url: the image is empty (0 pixels)")
     try:

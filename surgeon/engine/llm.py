@@ -10,8 +10,8 @@ Requests are added, then `step()` runs one scheduled batch and returns what each
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class StepOutput:
     request_id: str
-    text: str             # new text since this request's previous output
+    text: str  # new text since this request's previous output
     token_ids: list[int]  # new token ids
     finish_reason: str | None  # None while running; "stop", "length" or "loop" (degenerate repetition)
     prompt_tokens: int
@@ -63,13 +63,25 @@ class LLM:
     """`path`: a surgeon export, a Hugging Face folder of a supported family, or a surgeon alias.
     `quantize="int8"`: int8 weights on a CPU (faster decoding, outputs close to but not identical
     to the full-precision model's). `compile=True`: decode steps through torch.compile (the first
-    steps of each batch shape compile, ~30-60 s on 2 CPU cores). `kv_cache_tokens`: positions the paged cache holds over all sequences (default: 1 GiB worth on
-    a CPU, 60% of free memory on a GPU). `max_batched_tokens`: the prefill chunk budget per step."""
+    steps of each batch shape compile, ~30-60 s on 2 CPU cores). `kv_cache_tokens`: positions the
+    paged cache holds over all sequences (default: 1 GiB worth on a CPU, 60% of free memory on a GPU).
+    `max_batched_tokens`: the prefill chunk budget per step."""
 
-    def __init__(self, path: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 max_num_seqs: int = 16, max_batched_tokens: int = 512, block_size: int = 16,
-                 kv_cache_tokens: int | None = None, prefix_caching: bool = True,
-                 quantize: str | None = None, compile: bool = False, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        path: str,
+        *,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_num_seqs: int = 16,
+        max_batched_tokens: int = 512,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        prefix_caching: bool = True,
+        quantize: str | None = None,
+        compile: bool = False,
+        trust_remote_code: bool = False,
+    ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -93,8 +105,14 @@ class LLM:
         self.runner = ModelRunner(self.model, self.vision, num_blocks, block_size, self.device, self.dtype, compile)
         self.stopper = Stopper(self.tokenizer, loaded.eos_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
-        log.info("engine: %s on %s (%s), KV cache %d tokens in blocks of %d", self.model_name, self.device,
-                 str(self.dtype).removeprefix("torch."), num_blocks * block_size, block_size)
+        log.info(
+            "engine: %s on %s (%s), KV cache %d tokens in blocks of %d",
+            self.model_name,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            num_blocks * block_size,
+            block_size,
+        )
 
     def _default_cache_tokens(self, per_token: int) -> int:
         if self.device.type == "cuda":
@@ -137,8 +155,8 @@ class LLM:
         return ids, spans
 
     def _chat(self, messages: list[dict], images: list) -> tuple[list[int], list]:
-        from ..errors import DataError
         from ..chat import chat_ids
+        from ..errors import DataError
 
         if self.tokenizer.chat_template is None:
             raise ValueError(f"{self.model_name} has no chat template; send a plain text prompt")
@@ -149,13 +167,15 @@ class LLM:
         except DataError as exc:
             raise ValueError(str(exc)) from None
 
-    def add_request(self, prompt, params: SamplingParams | None = None, images: list | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt, params: SamplingParams | None = None, images: list | None = None, request_id: str | None = None
+    ) -> str:
         params = params or SamplingParams()
         ids, spans = self.encode(prompt, images)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this engine holds at most "
-                             f"{self.max_model_len - 1} prompt tokens")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this engine holds at most {self.max_model_len - 1} prompt tokens"
+            )
         seq = Sequence(ids, params, request_id=request_id or "", images=spans)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
@@ -192,8 +212,12 @@ class LLM:
             outputs.append(StepOutput(seq.request_id, text, [token], reason, seq.prompt_len, len(seq.completion_ids)))
         return outputs
 
-    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
-                 images: list[list] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        images: list[list] | None = None,
+    ) -> list[Completion]:
         """Run every prompt to completion (batched continuously); results in the prompts' order."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         images = images or [None] * len(prompts)
@@ -215,8 +239,9 @@ class LLM:
                 texts.append(out.text)
                 tokens.extend(out.token_ids)
                 if out.finish_reason is not None:
-                    results[out.request_id] = Completion(out.request_id, "".join(texts), tokens,
-                                                         out.finish_reason, out.prompt_tokens)
+                    results[out.request_id] = Completion(
+                        out.request_id, "".join(texts), tokens, out.finish_reason, out.prompt_tokens
+                    )
         return [results[rid] for rid in order]
 
     def stream(self, prompt, params: SamplingParams | None = None, images: list | None = None) -> Iterator[StepOutput]:

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import SourceError
 from .. import families
+from ..errors import SourceError
 from .models.llama import LlamaEngineModel
 from .vision import LlavaFront, SurgeonVLMFront, VisionEncoder
 
@@ -50,8 +50,10 @@ def _eos_ids(tokenizer, generation_config, config) -> set[int]:
 
 def _check_family(config, where: str) -> None:
     if config.model_type not in families.engine_types():
-        raise SourceError(f"{where}: the engine runs {', '.join(families.engine_types())} models (and surgeon VLMs built "
-                          f"on them); this one is '{config.model_type}'")
+        raise SourceError(
+            f"{where}: the engine runs {', '.join(families.engine_types())} models (and surgeon VLMs built "
+            f"on them); this one is '{config.model_type}'"
+        )
 
 
 def load(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> Loaded:

@@ -38,7 +38,7 @@ class _Submit:
     prompt: object
     params: object
     images: list | None
-    handle: "RequestHandle"
+    handle: RequestHandle
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RequestHandle:
     """One request's outputs, as an async iterator of the engine's StepOutputs."""
 
     request_id: str
-    engine: "EngineLoop"
+    engine: EngineLoop
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future  # resolved once add_request returned (or raised)
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -127,7 +127,7 @@ class EngineLoop:
         self.error: BaseException | None = None  # set if the thread itself died
 
     # ---- asyncio side
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -152,8 +152,7 @@ class EngineLoop:
             raise EngineStopped(f"the engine is not running ({self.error or 'stopped'})")
         with self._lock:
             if self._count >= self.capacity:
-                raise EngineBusy(f"server busy: {self._count} requests in flight (limit {self.capacity}); "
-                                 "retry later")
+                raise EngineBusy(f"server busy: {self._count} requests in flight (limit {self.capacity}); retry later")
             self._count += 1
         loop = asyncio.get_running_loop()
         handle = RequestHandle(uuid.uuid4().hex, self, loop, loop.create_future())
@@ -196,8 +195,9 @@ class EngineLoop:
         if isinstance(command, _Submit):
             handle = command.handle
             try:
-                self.llm.add_request(command.prompt, command.params, images=command.images,
-                                     request_id=handle.request_id)
+                self.llm.add_request(
+                    command.prompt, command.params, images=command.images, request_id=handle.request_id
+                )
             except Exception as exc:  # bad input: this request only
                 self._release()
                 handle._settle(exc)

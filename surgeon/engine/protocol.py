@@ -9,7 +9,7 @@ fields it has no use for (user, metadata, ...) are ignored. `top_k`, `repetition
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -21,8 +21,14 @@ from .images import ImageError, ImageLimits, decode_data_url
 class APIError(Exception):
     """An error answered as {"error": {...}} with an HTTP status (4xx: the client's mistake)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
@@ -39,6 +45,7 @@ def too_large(message: str) -> APIError:
 
 
 # ---- request bodies
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -59,7 +66,7 @@ class ImagePart(_Body):
     image_url: ImageURL
 
 
-Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class Message(_Body):
@@ -140,6 +147,7 @@ async def parse(request: Request, model: type[Sampling]) -> Sampling:
         body = model.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
+
         # Drop the union members pydantic names in locations ("content.str", "content.list[...]"), so
         # a union's alternatives read as one problem: "content: Input should be ... or ...".
         def where(error):
@@ -158,9 +166,15 @@ def sampling_params(body: Sampling, max_tokens: int | None, max_model_len: int):
     from . import SamplingParams
 
     # As OpenAI: without max_tokens, generate until a stop or the end of the context.
-    given = dict(max_tokens=max_model_len if max_tokens is None else max_tokens, temperature=body.temperature,
-                 top_p=body.top_p, top_k=body.top_k, repetition_penalty=body.repetition_penalty, seed=body.seed,
-                 ignore_eos=body.ignore_eos)
+    given = dict(
+        max_tokens=max_model_len if max_tokens is None else max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+    )
     kwargs = {name: value for name, value in given.items() if value is not None}
     if body.stop is not None:
         kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
@@ -171,6 +185,7 @@ def sampling_params(body: Sampling, max_tokens: int | None, max_model_len: int):
 
 
 # ---- chat messages -> the engine's message format
+
 
 def count_images(messages: list[Message]) -> int:
     return sum(isinstance(part, ImagePart) for m in messages if isinstance(m.content, list) for part in m.content)
@@ -201,6 +216,7 @@ def decode_images(urls: list[str], limits: ImageLimits) -> list:
         try:
             images.append(decode_data_url(url, limits))
         except ImageError as exc:
-            raise APIError(exc.status, f"image {i}: {exc}", code="image_too_large" if exc.status == 413 else None,
-                           param="messages") from None
+            raise APIError(
+                exc.status, f"image {i}: {exc}", code="image_too_large" if exc.status == 413 else None, param="messages"
+            ) from None
     return images

@@ -12,22 +12,31 @@ from .vision import VisionEncoder
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaEngineModel, vision: VisionEncoder | None, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, compile: bool = False):
+    def __init__(
+        self,
+        model: LlamaEngineModel,
+        vision: VisionEncoder | None,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        compile: bool = False,
+    ):
         self.model, self.vision = model, vision
         # Decode steps are many and alike: compiled, their small ops fuse and the per-op overhead
         # that dominates a CPU decode step goes. Prefill steps vary in shape and stay eager.
         self.decode_forward = torch.compile(model.forward, dynamic=True) if compile else model.forward
         self.block_size, self.device = block_size, device
         config = model.config
-        for index, layer in enumerate(model.layers):
+        for layer in model.layers:
             attention = layer.attention
             shape = (num_blocks, block_size, attention.kv_heads, attention.head_dim)
             attention.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attention.v_cache = torch.zeros(shape, dtype=dtype, device=device)
             if attention.indexer is not None:
-                attention.index_cache = torch.zeros(num_blocks, block_size, attention.indexer.dim,
-                                                    dtype=torch.float32, device=device)
+                attention.index_cache = torch.zeros(
+                    num_blocks, block_size, attention.indexer.dim, dtype=torch.float32, device=device
+                )
         self.vocab_size = config.vocab_size
 
     @staticmethod
@@ -69,10 +78,14 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=device)
 
         batch = StepBatch(
-            prefill=step.prefill, positions=tensor(positions), slots=tensor(slots),
+            prefill=step.prefill,
+            positions=tensor(positions),
+            slots=tensor(slots),
             block_tables=tensor(tables, torch.int32),
             context_lens=tensor([seq.computed + chunk for seq, chunk in zip(step.seqs, step.chunks)], torch.int32),
-            token_rows=tensor(token_rows), logit_rows=tensor(logit_rows))
+            token_rows=tensor(token_rows),
+            logit_rows=tensor(logit_rows),
+        )
         if step.prefill:
             batch.cu_seqlens_q, batch.cu_seqlens_k = tensor(cu_q, torch.int32), tensor(cu_k, torch.int32)
             batch.context_slots = tensor(context_slots)
@@ -93,7 +106,7 @@ class ModelRunner:
             for span in seq.images:
                 if span.overlaps(start, end):
                     lo, hi = max(start, span.start), min(end, span.start + span.length)
-                    features = self.vision.features(span)[lo - span.start:hi - span.start]
-                    embeds[offset + lo - start:offset + hi - start] = features.to(embeds.dtype)
+                    features = self.vision.features(span)[lo - span.start : hi - span.start]
+                    embeds[offset + lo - start : offset + hi - start] = features.to(embeds.dtype)
             offset += chunk
         return embeds

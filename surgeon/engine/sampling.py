@@ -29,14 +29,20 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            ),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
-            (self.loop_window == 0 or self.loop_window >= 8, f"loop_window must be 0 (off) or >= 8, got {self.loop_window}"),
+            (
+                self.loop_window == 0 or self.loop_window >= 8,
+                f"loop_window must be 0 (off) or >= 8, got {self.loop_window}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

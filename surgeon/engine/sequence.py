@@ -44,9 +44,9 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks committed so far
-    computed: int = 0            # tokens whose keys/values are in the cache
+    computed: int = 0  # tokens whose keys/values are in the cache
     finish_reason: str | None = None
-    text: str = ""               # output text handed out so far
+    text: str = ""  # output text handed out so far
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_counter))
 
@@ -67,7 +67,7 @@ class Sequence:
 
     @property
     def completion_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
     @property
     def finished(self) -> bool:

@@ -26,8 +26,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .images import ImageLimits
 from .loop import EngineBusy, EngineLoop, EngineStopped
-from .protocol import (APIError, ChatRequest, CompletionRequest, Sampling, count_images, decode_images,
-                       engine_messages, parse, sampling_params, too_large)
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    count_images,
+    decode_images,
+    engine_messages,
+    parse,
+    sampling_params,
+    too_large,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +53,7 @@ class ServerLimits:
 
 
 # ---- the app
+
 
 class BodyLimit:
     """Refuses request bodies over `max_bytes` with a JSON 413, whatever Content-Length claims.
@@ -123,14 +134,24 @@ def create_app(engine: EngineLoop, limits: ServerLimits = ServerLimits()) -> Fas
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": name, "object": "model", "created": created, "owned_by": "surgeon",
-                "max_model_len": llm.max_model_len}
+        card = {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "surgeon",
+            "max_model_len": llm.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     def check_model(body: Sampling) -> None:
         if body.model is not None and body.model != name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {name!r}",
-                           "not_found_error", "model_not_found", "model")
+            raise APIError(
+                404,
+                f"model {body.model!r} is not served here; this server serves {name!r}",
+                "not_found_error",
+                "model_not_found",
+                "model",
+            )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -142,8 +163,7 @@ def create_app(engine: EngineLoop, limits: ServerLimits = ServerLimits()) -> Fas
         if n_images and not llm.is_vlm:
             raise APIError(400, f"model {name!r} is text-only: it does not accept images", param="messages")
         if n_images > limits.max_images:
-            raise APIError(400, f"{n_images} images in one request; the limit is {limits.max_images}",
-                           param="messages")
+            raise APIError(400, f"{n_images} images in one request; the limit is {limits.max_images}", param="messages")
         messages, urls = engine_messages(body.messages)
         images = await asyncio.to_thread(decode_images, urls, limits.image) if urls else None
         return await respond(request, body, messages, params, images, chat=True)
@@ -168,13 +188,17 @@ def create_app(engine: EngineLoop, limits: ServerLimits = ServerLimits()) -> Fas
             raise APIError(503, str(exc), "server_error") from None
         except Exception as exc:  # the engine failed on this input: a bug, but this request's alone
             log.exception("the engine refused a request")
-            raise APIError(500, f"the engine failed this request: {type(exc).__name__}: {exc}",
-                           "server_error") from None
+            raise APIError(
+                500, f"the engine failed this request: {type(exc).__name__}: {exc}", "server_error"
+            ) from None
         reply = Reply(name, chat, handle, deadline)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(reply.stream(usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                reply.stream(usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         collect = asyncio.ensure_future(reply.collect())
         gone = asyncio.ensure_future(disconnected(request))
         try:
@@ -217,8 +241,11 @@ class Reply:
                 raise APIError(500, f"the engine failed this request: {exc}", "server_error") from None
             if out is None:
                 return
-            self.usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                          "total_tokens": out.prompt_tokens + out.completion_tokens}
+            self.usage = {
+                "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens,
+            }
             yield out
 
     async def collect(self) -> dict:
@@ -232,8 +259,14 @@ class Reply:
             choice["logprobs"] = None
         else:
             choice.update(text="".join(text), logprobs=None)
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage,
+        }
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:
@@ -241,8 +274,15 @@ class Reply:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                    "created": self.created, "model": self.model, "choices": [choice]})
+        return sse(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+            }
+        )
 
     async def stream(self, include_usage: bool):
         try:
@@ -253,8 +293,16 @@ class Reply:
                 if out.text or finish:
                     yield self.chunk(out.text, finish)
             if include_usage:
-                yield sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                           "created": self.created, "model": self.model, "choices": [], "usage": self.usage})
+                yield sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk" if self.chat else "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self.usage,
+                    }
+                )
         except APIError as exc:  # the status line is sent already: the error travels as a chunk
             yield sse(exc.body())
         finally:
@@ -267,8 +315,16 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def serve(path: str, host: str = "127.0.0.1", port: int = 8000, max_num_seqs: int = 16, max_pending: int = 256,
-          limits: ServerLimits = ServerLimits(), log_level: str = "info", **llm_kwargs) -> None:
+def serve(
+    path: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_num_seqs: int = 16,
+    max_pending: int = 256,
+    limits: ServerLimits = ServerLimits(),
+    log_level: str = "info",
+    **llm_kwargs,
+) -> None:
     """Load the model at `path` and serve it until interrupted."""
     import uvicorn
 

@@ -44,8 +44,8 @@ class Stopper:
             if at >= 0:
                 text, reason = text[:at], "stop"
         if reason is None:
-            text = text[:len(text) - self._holdback(text, params.stop)]
-        new = text[len(seq.text):] if text.startswith(seq.text) else ""
+            text = text[: len(text) - self._holdback(text, params.stop)]
+        new = text[len(seq.text) :] if text.startswith(seq.text) else ""
         seq.text += new
         return new, reason
 

@@ -67,8 +67,11 @@ class VisionEncoder:
     def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[ImageSpan]]:
         """Token ids of a chat and one span per image, in order, with its pixels and digest."""
         ids, pixels = self.front.encode(messages, images)
-        starts = [i for i, token in enumerate(ids)
-                  if token == self.image_token_id and (i == 0 or ids[i - 1] != self.image_token_id)]
+        starts = [
+            i
+            for i, token in enumerate(ids)
+            if token == self.image_token_id and (i == 0 or ids[i - 1] != self.image_token_id)
+        ]
         if len(starts) != len(images):
             raise ValueError(f"{len(starts)} image placeholder runs in the prompt but {len(images)} images")
         spans = []

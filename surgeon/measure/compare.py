@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..text import TextData, resolve_text_files, token_windows
-from ..errors import DataError, ParamError, SourceError
-from .metrics import compare_to_parent, parent_reference
 from ..checkpoints.sources import resolve_source
+from ..errors import DataError, ParamError, SourceError
+from ..text import TextData, resolve_text_files, token_windows
+from .metrics import compare_to_parent, parent_reference
 
 
 def evaluate_checkpoints(child: str, parent: str, data: list[str], tokens: int = 8192, window: int = 512) -> dict:

@@ -8,8 +8,8 @@ Greedy decoding through the chat template; each answer is checked by a pattern, 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -60,12 +60,21 @@ ITEMS: tuple[Item, ...] = (
     Item("What is half of 10?", _has(r"\b(5|five)\b"), "5"),
     Item("How many legs does a dog have?", _has(r"\b(4|four)\b"), "4"),
     Item("List the three primary colors.", _at_least(2, "red", "blue", "yellow"), "red, blue, yellow"),
-    Item("Name the four seasons of the year.", _at_least(3, "spring", "summer", "autumn|fall", "winter"),
-         "spring, summer, autumn, winter"),
-    Item("List the first five days of the week.",
-         _at_least(3, "monday", "tuesday", "wednesday", "thursday", "friday"), "Monday ... Friday"),
-    Item("Name three planets in our solar system.",
-         _at_least(2, "mercury", "venus", "earth", "mars", "jupiter", "saturn", "uranus", "neptune"), "three planets"),
+    Item(
+        "Name the four seasons of the year.",
+        _at_least(3, "spring", "summer", "autumn|fall", "winter"),
+        "spring, summer, autumn, winter",
+    ),
+    Item(
+        "List the first five days of the week.",
+        _at_least(3, "monday", "tuesday", "wednesday", "thursday", "friday"),
+        "Monday ... Friday",
+    ),
+    Item(
+        "Name three planets in our solar system.",
+        _at_least(2, "mercury", "venus", "earth", "mars", "jupiter", "saturn", "uranus", "neptune"),
+        "three planets",
+    ),
     Item("What color is the sky on a clear day?", _has(r"\bblue\b"), "blue"),
     Item("What is the opposite of hot?", _has(r"\bcold\b"), "cold"),
     Item("Is the sun a star? Answer yes or no.", _yes_no("yes"), "yes"),
@@ -86,13 +95,18 @@ def instruction_check(model, tokenizer, max_new_tokens: int = 40, batch: int = 8
     try:
         for start in tqdm(range(0, len(ITEMS), batch), desc="instructions", unit="batch", leave=False):
             group = ITEMS[start : start + batch]
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False,
-                                                   add_generation_prompt=True) for item in group]
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": item.prompt}], tokenize=False, add_generation_prompt=True
+                )
+                for item in group
+            ]
             inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             inputs = {k: v.to(next(model.parameters()).device) for k, v in inputs.items()}
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-            for item, row in zip(group, out[:, inputs["input_ids"].shape[1]:], strict=True):
+            out = model.generate(
+                **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+            for item, row in zip(group, out[:, inputs["input_ids"].shape[1] :], strict=True):
                 answer = tokenizer.decode(row, skip_special_tokens=True).strip()
                 answers.append({"prompt": item.prompt, "answer": answer, "ok": item.check(answer)})
     finally:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .. import families
-from ..surgery.architecture import output_logits
 from ..checkpoints.atomic import atomic_folder
 from ..checkpoints.cache import cache_dir, prune_entries
+from ..surgery.architecture import output_logits
 
 METRIC_NAMES = ("kl_mean", "kl_median", "kl_p99", "top1_agreement", "ppl", "ppl_parent", "tokens")
 _CHUNK_BYTES = 64 * 2**20  # fp32 logits formed at once

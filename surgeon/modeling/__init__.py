@@ -20,5 +20,9 @@ AutoModelForCausalLM.register(SurgeonSparseLlamaConfig, SurgeonSparseLlamaForCau
 SurgeonSparseLlamaConfig.register_for_auto_class()
 SurgeonSparseLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["SurgeonSparseLlamaConfig", "SurgeonSparseLlamaForCausalLM", "SurgeonVLMConfig",
-           "SurgeonVLMForConditionalGeneration"]
+__all__ = [
+    "SurgeonSparseLlamaConfig",
+    "SurgeonSparseLlamaForCausalLM",
+    "SurgeonVLMConfig",
+    "SurgeonVLMForConditionalGeneration",
+]

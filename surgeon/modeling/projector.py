@@ -27,8 +27,7 @@ def pixel_shuffle(tokens: torch.Tensor, grid: tuple[int, int], factor: int) -> t
 
 
 class Projector(nn.Module):
-    def __init__(self, kind: str, vision_size: int, lm_size: int, grid: tuple[int, int] | None = None,
-                 factor: int = 2):
+    def __init__(self, kind: str, vision_size: int, lm_size: int, grid: tuple[int, int] | None = None, factor: int = 2):
         super().__init__()
         if kind not in PROJECTORS:
             raise ValueError(f"unknown projector {kind!r}; choose one of {', '.join(PROJECTORS)}")

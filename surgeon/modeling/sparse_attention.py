@@ -55,7 +55,7 @@ class LightningIndexer(nn.Module):
         if x.dim() == 4:
             angles = angles[:, :, None]
         cos, sin = angles.cos(), angles.sin()
-        a, b, rest = x[..., :half].float(), x[..., half:self.rope_dim].float(), x[..., self.rope_dim:]
+        a, b, rest = x[..., :half].float(), x[..., half : self.rope_dim].float(), x[..., self.rope_dim :]
         rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
         return torch.cat([rotated, rest], dim=-1)
 
@@ -67,8 +67,8 @@ class LightningIndexer(nn.Module):
         """[B, T, S] fp32 index scores of T queries against S keys."""
         batch, length, _ = hidden.shape
         queries = self._rotate(self.wq(hidden).view(batch, length, self.heads, self.dim), positions)
-        weights = self.weights_proj(hidden).float() * self.heads ** -0.5
-        logits = torch.einsum("bthd,bsd->bths", queries.float(), keys.float()) * self.dim ** -0.5
+        weights = self.weights_proj(hidden).float() * self.heads**-0.5
+        logits = torch.einsum("bthd,bsd->bths", queries.float(), keys.float()) * self.dim**-0.5
         return (logits.relu() * weights[..., None]).sum(dim=2)
 
 
@@ -84,7 +84,7 @@ def select_keys(scores: torch.Tensor, visible: torch.Tensor, offset: int, settin
     ranked = scores.detach().masked_fill(forced, math.inf).masked_fill(~visible, -math.inf)
     # A stable sort over the keys newest-first: ties (ReLU scores are often exactly 0) go to the
     # nearest keys, and a query picks the same keys whether the sequence is complete or still growing.
-    order = ranked.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :settings.top_k]
+    order = ranked.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., : settings.top_k]
     chosen = torch.zeros_like(visible).scatter_(-1, keys - 1 - order, True)
     return chosen & visible
 
@@ -136,8 +136,9 @@ class SparseAttention:
         chosen = visible if self.dense else select_keys(scores, visible, offset, self.sparse)
         if chosen is not visible:  # else exactly the dense layer, mask and all
             attention_mask = self._as_mask(chosen, hidden_states.dtype)
-        output, weights = super().forward(hidden_states, position_embeddings=position_embeddings,
-                                          attention_mask=attention_mask, cache=cache, **kwargs)
+        output, weights = super().forward(
+            hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache, **kwargs
+        )
         if cache is not None:
             cache.layers[self.layer_idx].indexer_keys = keys
         if self.want_loss or self.want_recall:
@@ -161,7 +162,8 @@ class SparseAttention:
         """[B, 1, T, S] in the form the attention implementation reads: additive for eager, bool otherwise."""
         if self.config._attn_implementation == "eager":
             return torch.zeros(chosen.shape, dtype=dtype, device=chosen.device).masked_fill_(
-                ~chosen, torch.finfo(dtype).min)[:, None]
+                ~chosen, torch.finfo(dtype).min
+            )[:, None]
         return chosen[:, None]
 
 
@@ -206,8 +208,15 @@ def sparse_attention_reference(query, key, value, indices, scaling: float) -> to
     return torch.einsum("bhtk,bhtkd->bhtd", probs, v.float()).to(query.dtype)
 
 
-def attention_flops(length: int, layers: int, heads: int, head_dim: int, settings: SparseSettings | None = None,
-                    index_heads: int = 0, index_dim: int = 0) -> int:
+def attention_flops(
+    length: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    settings: SparseSettings | None = None,
+    index_heads: int = 0,
+    index_dim: int = 0,
+) -> int:
     """Multiply-adds x 2 of the score and value products over one causal sequence (projections excluded).
 
     Dense: every query reads every earlier key. Sparse: min(t + 1, k) keys for query t, plus the

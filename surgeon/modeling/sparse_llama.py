@@ -41,5 +41,7 @@ class SurgeonSparseLlamaForCausalLM(LlamaForCausalLM):
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         for index in config.sparse_layers():
-            indexer = LightningIndexer(config.hidden_size, spec["index_heads"], spec["index_dim"], spec["rope_dim"], theta)
+            indexer = LightningIndexer(
+                config.hidden_size, spec["index_heads"], spec["index_dim"], spec["rope_dim"], theta
+            )
             make_sparse(self.model.layers[index].self_attn, indexer, settings)

@@ -28,7 +28,7 @@ class TimmTower(nn.Module):
         features = self.model.forward_features(pixel_values)
         if features.dim() == 4:
             return features.flatten(2).transpose(1, 2)
-        return features[:, self.drop_prefix:]
+        return features[:, self.drop_prefix :]
 
 
 class TransformersTower(nn.Module):
@@ -41,8 +41,10 @@ class TransformersTower(nn.Module):
         config = model.config
         layers = config.num_hidden_layers
         if not -layers <= layer <= layers:
-            raise ValueError(f"vision layer {layer} out of range (the tower has {layers} layers; "
-                             f"0 is the embeddings, -1 the last layer)")
+            raise ValueError(
+                f"vision layer {layer} out of range (the tower has {layers} layers; "
+                f"0 is the embeddings, -1 the last layer)"
+            )
         # hidden_states holds the embeddings and then each layer: layer k is index k, or k - (layers + 1).
         self.layer = layer - (layers + 1) if layer >= 0 else layer
         self.hidden_size = config.hidden_size

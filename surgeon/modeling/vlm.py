@@ -26,13 +26,26 @@ class SurgeonVLMConfig(PretrainedConfig):
 
     model_type = "surgeon_vlm"
 
-    def __init__(self, text_config=None, vision_config=None, timm_architecture: str | None = None,
-                 image_size: int = 224, vision_hidden_size: int | None = None,
-                 vision_grid: list[int] | None = None, vision_tokens: int | None = None,
-                 vision_layer: int = -1, drop_cls: bool = True, drop_prefix_tokens: bool = True,
-                 projector: str = "mlp2x_gelu", pixel_shuffle_factor: int = 2,
-                 image_token_id: int | None = None, image_token: str = "<image>",
-                 image_mean: list[float] | None = None, image_std: list[float] | None = None, **kwargs):
+    def __init__(
+        self,
+        text_config=None,
+        vision_config=None,
+        timm_architecture: str | None = None,
+        image_size: int = 224,
+        vision_hidden_size: int | None = None,
+        vision_grid: list[int] | None = None,
+        vision_tokens: int | None = None,
+        vision_layer: int = -1,
+        drop_cls: bool = True,
+        drop_prefix_tokens: bool = True,
+        projector: str = "mlp2x_gelu",
+        pixel_shuffle_factor: int = 2,
+        image_token_id: int | None = None,
+        image_token: str = "<image>",
+        image_mean: list[float] | None = None,
+        image_std: list[float] | None = None,
+        **kwargs,
+    ):
         if isinstance(text_config, dict):
             text_config = AutoConfig.for_model(**text_config)
         if isinstance(vision_config, dict):
@@ -60,7 +73,7 @@ class SurgeonVLMConfig(PretrainedConfig):
     def image_seq_length(self) -> int:
         """LM positions one image takes."""
         if self.projector == "pixel_shuffle":
-            return self.vision_tokens // (self.pixel_shuffle_factor ** 2)
+            return self.vision_tokens // (self.pixel_shuffle_factor**2)
         return self.vision_tokens
 
     def to_dict(self):
@@ -93,9 +106,13 @@ class SurgeonVLMForConditionalGeneration(PreTrainedModel, GenerationMixin):
     def __init__(self, config: SurgeonVLMConfig):
         super().__init__(config)
         self.vision_tower = build_tower(config)
-        self.projector = Projector(config.projector, config.vision_hidden_size, config.text_config.hidden_size,
-                                   grid=tuple(config.vision_grid) if config.vision_grid else None,
-                                   factor=config.pixel_shuffle_factor)
+        self.projector = Projector(
+            config.projector,
+            config.vision_hidden_size,
+            config.text_config.hidden_size,
+            grid=tuple(config.vision_grid) if config.vision_grid else None,
+            factor=config.pixel_shuffle_factor,
+        )
         self.language_model = AutoModelForCausalLM.from_config(config.text_config)
         self.post_init()
 
@@ -113,8 +130,9 @@ class SurgeonVLMForConditionalGeneration(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.language_model.get_output_embeddings()
 
-    def image_features(self, pixel_values: torch.Tensor | None = None,
-                       tower_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def image_features(
+        self, pixel_values: torch.Tensor | None = None, tower_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(images, 3, H, W) -> (images, image_seq_length, LM hidden size). `tower_tokens`, the
         tower's output computed earlier, skips the tower (training with a frozen tower caches it)."""
         if tower_tokens is None:
@@ -125,8 +143,12 @@ class SurgeonVLMForConditionalGeneration(PreTrainedModel, GenerationMixin):
     def projector_dtype(self) -> torch.dtype:
         return next(self.projector.parameters()).dtype
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-              tower_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        tower_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The LM's input embeddings with each image's projected tokens in its placeholder span."""
         placeholders = input_ids == self.config.image_token_id
         # The placeholder id is past the LM's vocabulary: look up a real id, then overwrite.
@@ -137,12 +159,20 @@ class SurgeonVLMForConditionalGeneration(PreTrainedModel, GenerationMixin):
             return embeds
         features = self.image_features(pixel_values, tower_tokens).to(embeds.dtype)
         if int(placeholders.sum()) != features.shape[0] * features.shape[1]:
-            raise ValueError(f"{int(placeholders.sum())} image placeholder tokens in the prompt, but "
-                             f"{features.shape[0]} images x {features.shape[1]} tokens each")
+            raise ValueError(
+                f"{int(placeholders.sum())} image placeholder tokens in the prompt, but "
+                f"{features.shape[0]} images x {features.shape[1]} tokens each"
+            )
         return embeds.masked_scatter(placeholders.unsqueeze(-1), features.reshape(-1, embeds.shape[-1]))
 
-    def forward(self, input_ids: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ):
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids, pixel_values)
         # Everything else (cache, positions, labels, logits_to_keep) is the LM's business.

@@ -39,12 +39,25 @@ class CheckInstructions(Operation):
         parent = _PARENT_RESULTS[key]
         mine = instruction_check(patient.model, patient.tokenizer, params.max_new_tokens)
         name = ctx.stage_name(params.name)
-        log.info("%s: %d/%d instructions right (parent %d/%d)", name, mine["correct"], mine["total"],
-                 parent["correct"], parent["total"])
+        log.info(
+            "%s: %d/%d instructions right (parent %d/%d)",
+            name,
+            mine["correct"],
+            mine["total"],
+            parent["correct"],
+            parent["total"],
+        )
         stage = Stage(
-            name=name, data="instruction check", kind="instructions",
-            metrics={"score": mine["score"], "correct": mine["correct"], "total": mine["total"],
-                     "parent_score": parent["score"], "parent_correct": parent["correct"]},
+            name=name,
+            data="instruction check",
+            kind="instructions",
+            metrics={
+                "score": mine["score"],
+                "correct": mine["correct"],
+                "total": mine["total"],
+                "parent_score": parent["score"],
+                "parent_correct": parent["correct"],
+            },
             details={"answers": mine["answers"], "parent_answers": parent["answers"]},
         )
         return patient.with_stage(stage)

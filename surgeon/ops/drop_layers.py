@@ -13,15 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
 from .. import families
-from ..surgery import architecture
-from ..text import TextData, describe_files
 from ..errors import ParamError
 from ..measure.metrics import compare_to_parent, parent_reference
+from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
 from ..recipe.patient import Patient, Provenance
 from ..recipe.step import ModelState, Operation, StepContext, register
-from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
+from ..surgery import architecture
 from ..surgery.layer_scores import angular_distances, boundary_statistics, cheapest_block, least_influential
 from ..surgery.linear_bridge import contiguous_runs, fit_bridges, fold_into_down_proj
+from ..text import TextData, describe_files
 
 
 class AutoDrop(BaseModel):
@@ -78,8 +78,11 @@ class DropLayers(Operation):
                 raise ParamError(("layers",), "a layer is listed twice")
             note = f"drop {format_ranges(dropped)}"
             if params.bridge != "none" and dropped[0] == 0:
-                raise ParamError(("layers",), "a linear bridge folds into the layer before a dropped block: "
-                                 "layer 0 has none (use bridge: none, or keep layer 0)")
+                raise ParamError(
+                    ("layers",),
+                    "a linear bridge folds into the layer before a dropped block: "
+                    "layer 0 has none (use bridge: none, or keep layer 0)",
+                )
         else:
             count = params.auto.count
             if count >= n:
@@ -88,9 +91,12 @@ class DropLayers(Operation):
             note = f"drop {count} by {params.auto.metric}{where} (chosen at run time)"
         if params.bridge != "none":
             if not families.is_bridgeable(state.config.model_type):
-                raise ParamError(("bridge",), f"a linear bridge needs an MLP that adds to the residual stream "
-                                 f"directly ({', '.join(families.bridgeable_types())}); "
-                                 f"{state.config.model_type} normalises it first")
+                raise ParamError(
+                    ("bridge",),
+                    f"a linear bridge needs an MLP that adds to the residual stream "
+                    f"directly ({', '.join(families.bridgeable_types())}); "
+                    f"{state.config.model_type} normalises it first",
+                )
             note += f", linear bridge fitted{where}"
         if len(dropped) >= n:
             raise ParamError(("layers",), f"cannot drop all {n} layers")
@@ -120,8 +126,11 @@ class DropLayers(Operation):
             what=f"dropped layer{'s' if len(dropped) > 1 else ''} {format_ranges(dropped)} ({len(dropped)} of {n})"
             + (", with a linear bridge" if params.bridge == "linear" else ""),
             why=why,
-            params={"layers": dropped, **({"metric": params.auto.metric} if params.auto else {}),
-                    **({"bridge": params.bridge} if params.bridge != "none" else {})},
+            params={
+                "layers": dropped,
+                **({"metric": params.auto.metric} if params.auto else {}),
+                **({"bridge": params.bridge} if params.bridge != "none" else {}),
+            },
             before=patient.shape().as_dict(),
             after=architecture.shape_of(child.config, child.dtype).as_dict(),
             details=details,
@@ -138,10 +147,18 @@ def _bridge(model, child, windows, dropped: list[int], kept: list[int], details:
     details["bridge"] = []
     for (a, b), (t, relative) in fitted.items():
         fold_into_down_proj(child.model.layers[kept.index(a - 1)], t)
-        details["bridge"].append({"dropped": format_ranges(list(range(a, b + 1))), "into_layer": a - 1,
-                                  "error_vs_plain_drop": round(relative, 4)})
-    parts = [f"layers {d['dropped']} bridged into layer {d['into_layer']}'s MLP "
-             f"(residual error {d['error_vs_plain_drop']:.2f}x the plain drop's)" for d in details["bridge"]]
+        details["bridge"].append(
+            {
+                "dropped": format_ranges(list(range(a, b + 1))),
+                "into_layer": a - 1,
+                "error_vs_plain_drop": round(relative, 4),
+            }
+        )
+    parts = [
+        f"layers {d['dropped']} bridged into layer {d['into_layer']}'s MLP "
+        f"(residual error {d['error_vs_plain_drop']:.2f}x the plain drop's)"
+        for d in details["bridge"]
+    ]
     if skipped:
         parts.append(f"{format_ranges(list(range(skipped[0][0], skipped[0][1] + 1)))} not bridged (no layer before it)")
     return "; ".join(parts)
@@ -155,13 +172,17 @@ def _choose(model, windows, auto: AutoDrop, fingerprint: str) -> tuple[list[int]
     details = {"angular_distance_by_block_start": distances, "block_influence_by_layer": stats["influence"].tolist()}
     if auto.metric == "angular":
         dropped = cheapest_block(distances, count)
-        why = (f"the {count}-layer block with the smallest angular distance between its input and output "
-               f"({distances[dropped[0]]:.4f}; median over all blocks {_median(distances):.4f})")
+        why = (
+            f"the {count}-layer block with the smallest angular distance between its input and output "
+            f"({distances[dropped[0]]:.4f}; median over all blocks {_median(distances):.4f})"
+        )
     elif auto.metric == "kl":
         kls = details["kl_by_block_start"] = _kl_by_block(model, windows, count, fingerprint)
         dropped = cheapest_block(kls, count)
-        why = (f"of all {len(kls)} contiguous {count}-layer blocks, the one whose removal costs the least KL "
-               f"({kls[dropped[0]]:.4f}; median over all blocks {_median(kls):.4f})")
+        why = (
+            f"of all {len(kls)} contiguous {count}-layer blocks, the one whose removal costs the least KL "
+            f"({kls[dropped[0]]:.4f}; median over all blocks {_median(kls):.4f})"
+        )
     else:
         dropped = least_influential(stats["influence"], count)
         why = f"the {count} layers with the lowest block influence (1 - cos between input and output)"

@@ -6,12 +6,12 @@ import logging
 
 from pydantic import BaseModel, ConfigDict
 
-from ..surgery.architecture import language_config
-from ..text import TextData
 from ..errors import ParamError
 from ..measure.metrics import compare_to_parent, parent_reference
 from ..recipe.patient import Patient, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
+from ..surgery.architecture import language_config
+from ..text import TextData
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,10 @@ class Evaluate(Operation):
                 ("against",),
                 f"vocabularies differ ({reference_vocab} vs {vocab}): KL needs the same tokens",
             )
-        return state, f"{ctx.stage_name(params.name)}: {params.data.tokens} tokens of {', '.join(f.name for f in files)}"
+        return (
+            state,
+            f"{ctx.stage_name(params.name)}: {params.data.tokens} tokens of {', '.join(f.name for f in files)}",
+        )
 
     def apply(self, params: EvaluateParams, patient: Patient, ctx: StepContext) -> Patient:
         files, windows = ctx.text_windows("files", params.data, patient.tokenizer)
@@ -69,7 +72,11 @@ class Evaluate(Operation):
         )
         log.info(
             "%s: kl_mean %.4f, top-1 %.3f, ppl %.2f (parent %.2f) over %d tokens",
-            stage.name, metrics["kl_mean"], metrics["top1_agreement"], metrics["ppl"], metrics["ppl_parent"],
+            stage.name,
+            metrics["kl_mean"],
+            metrics["top1_agreement"],
+            metrics["ppl"],
+            metrics["ppl_parent"],
             metrics["tokens"],
         )
         return patient.with_stage(stage)

@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ParamError
 from ..recipe.patient import Patient, Stage
+from ..recipe.step import ModelState, Operation, StepContext, register
 from ..training.heal_data import IMAGE_KINDS, DataSource, check_sources
 from ..vision.image_set import describe_source
-from ..recipe.step import ModelState, Operation, StepContext, register
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,14 @@ class EvaluateVision(Operation):
                 raise ParamError(("data", index), f"a {source.kind} source holds no image questions")
         ctx.facts["files"] = check_sources(params.data, ctx.recipe_dir, at=("data",))
         kinds = ", ".join(describe_source(s) for s in params.data)
-        return state, f"{ctx.stage_name(params.name)}: {kinds}" + (" (+ shuffled images)" if params.shuffled_control else "")
+        return state, f"{ctx.stage_name(params.name)}: {kinds}" + (
+            " (+ shuffled images)" if params.shuffled_control else ""
+        )
 
     def apply(self, params: EvaluateVisionParams, patient: Patient, ctx: StepContext) -> Patient:
         from ..vision.answers import greedy_answers, score, tower_outputs
-        from ..vision.image_set import encode_records, source_records
         from ..vision.graft import processor_for
+        from ..vision.image_set import encode_records, source_records
 
         files = ctx.facts.get("files", {})
         processor = processor_for(patient.model, patient.tokenizer)
@@ -63,22 +65,31 @@ class EvaluateVision(Operation):
             records = source_records(source, files.get(index, []))
             examples = encode_records(records, processor)
             tower = tower_outputs(vlm, processor, examples)
-            answers = greedy_answers(vlm, patient.tokenizer, examples, tower, batch=params.batch_size,
-                                     max_new_tokens=params.max_new_tokens)
+            answers = greedy_answers(
+                vlm, patient.tokenizer, examples, tower, batch=params.batch_size, max_new_tokens=params.max_new_tokens
+            )
             label = source.kind
             result = score(examples, answers)
             if params.shuffled_control:
                 pairing = _same_image_count_derangement(examples)
-                shuffled = greedy_answers(vlm, patient.tokenizer, examples, tower, pairing, params.batch_size,
-                                          params.max_new_tokens)
+                shuffled = greedy_answers(
+                    vlm, patient.tokenizer, examples, tower, pairing, params.batch_size, params.max_new_tokens
+                )
                 control = score(examples, shuffled)
                 result.update({f"shuffled_{k}": v for k, v in control.items() if k.startswith("accuracy")})
             metrics.update({f"{label}_{k}": v for k, v in result.items()})
-            details[label] = [{"key": e.key, "kind": e.kind, "answer": e.answer, "said": a}
-                              for e, a in list(zip(examples, answers))[:50]]
+            details[label] = [
+                {"key": e.key, "kind": e.kind, "answer": e.answer, "said": a}
+                for e, a in list(zip(examples, answers))[:50]
+            ]
             log.info("%s: %s", label, ", ".join(f"{k} {v:.3f}" for k, v in result.items() if isinstance(v, float)))
-        stage = Stage(name=ctx.stage_name(params.name), data=", ".join(describe_source(s) for s in params.data),
-                      metrics=metrics, kind="vision", details={"samples": details})
+        stage = Stage(
+            name=ctx.stage_name(params.name),
+            data=", ".join(describe_source(s) for s in params.data),
+            metrics=metrics,
+            kind="vision",
+            details={"samples": details},
+        )
         return patient.with_stage(stage)
 
 

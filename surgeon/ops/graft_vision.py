@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ParamError, SourceError
 from ..recipe.patient import Patient, Provenance
-from ..vision.processor import IMAGE_TOKEN
 from ..recipe.step import ModelState, Operation, StepContext, register
+from ..vision.processor import IMAGE_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -85,24 +85,39 @@ class GraftVision(Operation):
             grid = donor.grid
             factor = params.pixel_shuffle_factor
             if grid is None or grid[0] % factor or grid[1] % factor:
-                raise ParamError(("pixel_shuffle_factor",), f"the tower's {_layout(donor)} token grid is not divisible "
-                                 f"by {factor}" + (" (keep drop_cls on)" if grid is None else
-                                                   "; change tower.image_size or the factor"))
+                raise ParamError(
+                    ("pixel_shuffle_factor",),
+                    f"the tower's {_layout(donor)} token grid is not divisible "
+                    f"by {factor}"
+                    + (" (keep drop_cls on)" if grid is None else "; change tower.image_size or the factor"),
+                )
         if params.tower.projector_from_donor and params.projector != "mlp2x_gelu":
             raise ParamError(("projector",), "a LLaVA donor's projector is an mlp2x_gelu")
         config = SurgeonVLMConfig(
-            text_config=state.config, vision_config=donor.vision_config, timm_architecture=donor.timm_architecture,
-            image_size=donor.image_size, vision_hidden_size=donor.hidden_size,
-            vision_grid=list(donor.grid) if donor.grid else None, vision_tokens=donor.tokens,
-            vision_layer=donor.layer, drop_cls=donor.drop_cls, projector=params.projector,
-            pixel_shuffle_factor=params.pixel_shuffle_factor, image_token=params.image_token,
-            image_token_id=state.config.vocab_size, image_mean=list(donor.mean), image_std=list(donor.std))
+            text_config=state.config,
+            vision_config=donor.vision_config,
+            timm_architecture=donor.timm_architecture,
+            image_size=donor.image_size,
+            vision_hidden_size=donor.hidden_size,
+            vision_grid=list(donor.grid) if donor.grid else None,
+            vision_tokens=donor.tokens,
+            vision_layer=donor.layer,
+            drop_cls=donor.drop_cls,
+            projector=params.projector,
+            pixel_shuffle_factor=params.pixel_shuffle_factor,
+            image_token=params.image_token,
+            image_token_id=state.config.vocab_size,
+            image_mean=list(donor.mean),
+            image_std=list(donor.std),
+        )
         projector_params = _projector_params(config)
         tower_params = sum(p.numel() for p in donor.tower.parameters())
-        note = (f"{donor.description}: {config.image_seq_length} image tokens per image "
-                f"({_layout(donor)} x {donor.hidden_size} at {donor.image_size}px"
-                f"{', pixel shuffle ' + str(params.pixel_shuffle_factor) if params.projector == 'pixel_shuffle' else ''}); "
-                f"{params.projector} projector {projector_params / 1e6:.2f}M params, tower {tower_params / 1e6:.2f}M")
+        note = (
+            f"{donor.description}: {config.image_seq_length} image tokens per image "
+            f"({_layout(donor)} x {donor.hidden_size} at {donor.image_size}px"
+            f"{', pixel shuffle ' + str(params.pixel_shuffle_factor) if params.projector == 'pixel_shuffle' else ''}); "
+            f"{params.projector} projector {projector_params / 1e6:.2f}M params, tower {tower_params / 1e6:.2f}M"
+        )
         ctx.facts["projector_params"] = projector_params
         return ModelState(config, state.dtype), note
 
@@ -113,19 +128,32 @@ class GraftVision(Operation):
         donor = _donor(params.tower, ctx.recipe_dir, weights=True)
         donor.tower.to(patient.model.dtype)
         try:
-            vlm, tokenizer = assemble(patient.model, patient.tokenizer, donor, params.projector,
-                                      params.pixel_shuffle_factor, params.image_token, params.seed)
+            vlm, tokenizer = assemble(
+                patient.model,
+                patient.tokenizer,
+                donor,
+                params.projector,
+                params.pixel_shuffle_factor,
+                params.image_token,
+                params.seed,
+            )
         except ValueError as exc:
             raise ParamError(("tower",) if "projector" in str(exc) else ("image_token",), str(exc)) from None
         projector_params = sum(p.numel() for p in vlm.projector.parameters())
         entry = Provenance(
             op=self.name,
-            what=(f"grafted the {donor.description} ({vlm.config.image_seq_length} tokens per image) into the LM "
-                  f"through a new {params.projector} projector ({projector_params:,} parameters"
-                  f"{', from the donor' if donor.projector_state is not None else ''})"),
+            what=(
+                f"grafted the {donor.description} ({vlm.config.image_seq_length} tokens per image) into the LM "
+                f"through a new {params.projector} projector ({projector_params:,} parameters"
+                f"{', from the donor' if donor.projector_state is not None else ''})"
+            ),
             why="the LM reads images as tokens in its own embedding space; only the projector needs training",
-            params={"tower": params.tower.model_dump(exclude_none=True), "projector": params.projector,
-                    "image_seq_length": vlm.config.image_seq_length, "projector_params": projector_params},
+            params={
+                "tower": params.tower.model_dump(exclude_none=True),
+                "projector": params.projector,
+                "image_seq_length": vlm.config.image_seq_length,
+                "projector_params": projector_params,
+            },
             before=patient.shape().as_dict(),
             after=shape_of(vlm.config, vlm.dtype).as_dict(),
         )
@@ -146,8 +174,9 @@ def _donor(spec: TowerSpec, recipe_dir: Path, weights: bool):
             return timm_donor(spec.timm, checkpoint, spec.key_map, spec.image_size, spec.mean, spec.std, load=weights)
         folder = Path(spec.transformers).expanduser()
         folder = folder if folder.is_absolute() else recipe_dir / folder
-        return transformers_donor(folder, spec.layer, spec.drop_cls, spec.projector_from_donor, spec.mean, spec.std,
-                                  load=weights)
+        return transformers_donor(
+            folder, spec.layer, spec.drop_cls, spec.projector_from_donor, spec.mean, spec.std, load=weights
+        )
     except SourceError as exc:
         raise ParamError(("tower", "timm" if spec.timm else "transformers"), str(exc)) from None
 
@@ -160,7 +189,11 @@ def _projector_params(config) -> int:
     from ..modeling.projector import Projector
 
     with torch.device("meta"):
-        projector = Projector(config.projector, config.vision_hidden_size, config.text_config.hidden_size,
-                              grid=tuple(config.vision_grid) if config.vision_grid else None,
-                              factor=config.pixel_shuffle_factor)
+        projector = Projector(
+            config.projector,
+            config.vision_hidden_size,
+            config.text_config.hidden_size,
+            grid=tuple(config.vision_grid) if config.vision_grid else None,
+            factor=config.pixel_shuffle_factor,
+        )
     return sum(p.numel() for p in projector.parameters())

@@ -13,20 +13,20 @@ import logging
 import torch
 from pydantic import ConfigDict
 
-from ..surgery import architecture
-from ..surgery.architecture import shape_of
-from ..text import describe_files
 from ..errors import ParamError
 from ..modeling.sparse_attention import sparse_modules
 from ..recipe.patient import Patient, Provenance
+from ..recipe.step import ModelState, Operation, StepContext, register
+from ..surgery import architecture
+from ..surgery.architecture import shape_of
+from ..text import describe_files
 from ..training.heal_data import IMAGE_KINDS, HealData, check_sources
-from ..training.text_set import build_train_set
 from ..training.indexer import indexer_mode
 from ..training.loop import LoopSpec, train
+from ..training.text_set import build_train_set
 from ..training.trainable import TrainSpec, check_trainable, finish_student, prepare_student
-from ..vision.graft import is_vlm
-from ..recipe.step import ModelState, Operation, StepContext, register
 from ..training.vision_heal import apply_vision_heal, plan_vision_heal
+from ..vision.graft import is_vlm
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +53,27 @@ class Heal(Operation):
             return plan_vision_heal(params, state, ctx)
         images = [i for i, s in enumerate(params.data.sources) if s.kind in IMAGE_KINDS]
         if images:
-            raise ParamError(("data", "sources", images[0]), "image questions need a vision tower: "
-                             "put a graft_vision step before this heal")
+            raise ParamError(
+                ("data", "sources", images[0]),
+                "image questions need a vision tower: put a graft_vision step before this heal",
+            )
         if params.teacher != PARENT:
             if params.teacher not in ctx.sources:
                 known = ", ".join([PARENT, *ctx.sources])
                 raise ParamError(("teacher",), f"unknown source '{params.teacher}' (known: {known})")
             if params.loss.hidden:
-                raise ParamError(("loss", "hidden"), "the hidden-state loss maps layers to the parent's: use teacher: parent")
+                raise ParamError(
+                    ("loss", "hidden"), "the hidden-state loss maps layers to the parent's: use teacher: parent"
+                )
         teacher_config = ctx.sources["base"].config if params.teacher == PARENT else ctx.sources[params.teacher].config
         if teacher_config.vocab_size != state.config.vocab_size:
-            raise ParamError(("teacher",), f"vocabularies differ ({teacher_config.vocab_size} vs {state.config.vocab_size})")
+            raise ParamError(
+                ("teacher",), f"vocabularies differ ({teacher_config.vocab_size} vs {state.config.vocab_size})"
+            )
         if params.teacher_cache is not None and params.loss.temperature != 1.0:
-            raise ParamError(("teacher_cache",), "the top-k teacher cache holds temperature-1 logits: use temperature 1")
+            raise ParamError(
+                ("teacher_cache",), "the top-k teacher cache holds temperature-1 logits: use temperature 1"
+            )
         if params.teacher_cache is not None and params.loss.kl == 0:
             raise ParamError(("teacher_cache",), "a teacher cache without a KL term would never be read")
         ctx.facts["files"] = check_sources(params.data.sources, ctx.recipe_dir)
@@ -78,10 +86,15 @@ class Heal(Operation):
         share = counts["trainable"] / counts["total"]
         tokens = params.steps * params.batch_size * params.grad_accum * params.data.window
         globs = params.train.params or []
-        how = " + ".join(filter(None, [" ".join(f"`{g}`" for g in globs),
-                                       f"LoRA r={params.train.lora.r}" if params.train.lora else ""]))
-        note = (f"train {counts['trainable'] / 1e6:.2f}M params ({share:.1%}, {how}); {params.steps} steps, "
-                f"~{tokens / 1e3:.0f}K tokens; teacher {params.teacher}")
+        how = " + ".join(
+            filter(
+                None, [" ".join(f"`{g}`" for g in globs), f"LoRA r={params.train.lora.r}" if params.train.lora else ""]
+            )
+        )
+        note = (
+            f"train {counts['trainable'] / 1e6:.2f}M params ({share:.1%}, {how}); {params.steps} steps, "
+            f"~{tokens / 1e3:.0f}K tokens; teacher {params.teacher}"
+        )
         return state, note
 
     def apply(self, params: HealParams, patient: Patient, ctx: StepContext) -> Patient:
@@ -108,34 +121,56 @@ class Heal(Operation):
         # keys it picked (DeepSeek's second stage) while the LM is distilled.
         with ctx.checkpoint_dir() as work, indexer_mode(student, dense=False, loss=sparse):
             result = train(
-                student, trainable, teacher, data, params,
-                teacher_fingerprint=fingerprint, teacher_is_parent=params.teacher == PARENT,
-                layer_origin=patient.layer_origin(), checkpoint_dir=work / f"heal-step{ctx.index}",
-                resume=ctx.resume, run_digest=digest,
+                student,
+                trainable,
+                teacher,
+                data,
+                params,
+                teacher_fingerprint=fingerprint,
+                teacher_is_parent=params.teacher == PARENT,
+                layer_origin=patient.layer_origin(),
+                checkpoint_dir=work / f"heal-step{ctx.index}",
+                resume=ctx.resume,
+                run_digest=digest,
             )
         model = finish_student(student)
         counts = ctx.facts.get("trainable") or {"trainable": sum(p.numel() for p in trainable.values()), "total": 0}
         evals = result.evals
-        kl_text = (f"; held-out KL {evals[0]['kl_mean']:.4f} -> {evals[-1]['kl_mean']:.4f}"
-                   if len(evals) >= 2 else "")
-        named = [describe_files(files[i]) if i in files else
-                 f"the teacher's answers to {len(s.self_distill.prompts)} prompts" for i, s in enumerate(params.data.sources)]
+        kl_text = f"; held-out KL {evals[0]['kl_mean']:.4f} -> {evals[-1]['kl_mean']:.4f}" if len(evals) >= 2 else ""
+        named = [
+            describe_files(files[i])
+            if i in files
+            else f"the teacher's answers to {len(s.self_distill.prompts)} prompts"
+            for i, s in enumerate(params.data.sources)
+        ]
         entry = Provenance(
             op=self.name,
-            what=(f"healed for {result.steps_done} steps on {result.tokens:,} target tokens "
-                  f"({counts['trainable']:,} parameters trained{', LoRA merged' if params.train.lora else ''})"),
-            why=(f"distillation from the {params.teacher} (KL x{params.loss.kl} at T={params.loss.temperature}"
-                 f"{f', CE x{params.loss.ce}' if params.loss.ce else ''}"
-                 f"{f', hidden x{params.loss.hidden}' if params.loss.hidden else ''}) on "
-                 f"{' + '.join(named)}{kl_text}"),
+            what=(
+                f"healed for {result.steps_done} steps on {result.tokens:,} target tokens "
+                f"({counts['trainable']:,} parameters trained{', LoRA merged' if params.train.lora else ''})"
+            ),
+            why=(
+                f"distillation from the {params.teacher} (KL x{params.loss.kl} at T={params.loss.temperature}"
+                f"{f', CE x{params.loss.ce}' if params.loss.ce else ''}"
+                f"{f', hidden x{params.loss.hidden}' if params.loss.hidden else ''}) on "
+                f"{' + '.join(named)}{kl_text}"
+            ),
             # The run digest (recipe, data, what trained) makes the patient's fingerprint unique to
             # this training, so caches keyed by it never mistake one healed model for another.
             params={"steps": result.steps_done, "trainable": counts, "teacher": params.teacher, "run": digest},
             before=before,
             after=shape_of(model.config, model.dtype).as_dict(),
-            details={"training": result.summary(), "curve": result.curve, "heldout": evals,
-                     "data": {"train_windows": data.train_ids.shape[0], "window": params.data.window,
-                              "heldout_windows": data.heldout_ids.shape[0], "train_tokens": data.train_tokens}},
+            details={
+                "training": result.summary(),
+                "curve": result.curve,
+                "heldout": evals,
+                "data": {
+                    "train_windows": data.train_ids.shape[0],
+                    "window": params.data.window,
+                    "heldout_windows": data.heldout_ids.shape[0],
+                    "train_tokens": data.train_tokens,
+                },
+            },
         )
         return patient.with_model(model, entry)
 

@@ -1,10 +1,10 @@
 """reduce_kv_heads: MHA -> GQA, GQA -> fewer groups, or -> MQA, as a (config, state dict) rewrite.
 
 The result is the standard architecture with a smaller `num_key_value_heads` (the KV cache shrinks
-by the same factor), loadable by plain transformers. The math is in surgeon/surgery/ (kv_heads.py per group, kv_merge.py per model); with
-calibration text the step also reports how closely each init reproduces the parent's keys and
-values there; with `compare` text it measures every init against the parent (a stage each in the
-model card), and `init: best` keeps the one that starts closest.
+by the same factor), loadable by plain transformers. The math is in surgeon/surgery/ (kv_heads.py per
+group, kv_merge.py per model); with calibration text the step also reports how closely each init
+reproduces the parent's keys and values there; with `compare` text it measures every init against
+the parent (a stage each in the model card), and `init: best` keeps the one that starts closest.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import families
-from ..surgery import architecture
-from ..surgery.attention_fit import capture_attention, fit_attention
-from ..text import TextData, describe_files
 from ..errors import ParamError
-from ..surgery.kv_heads import INITS
-from ..surgery.kv_merge import attention_input_covariance, merge_kv_heads
 from ..measure.metrics import compare_to_parent, parent_reference
 from ..recipe.patient import Patient, Provenance, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
+from ..surgery import architecture
+from ..surgery.attention_fit import capture_attention, fit_attention
+from ..surgery.kv_heads import INITS
+from ..surgery.kv_merge import attention_input_covariance, merge_kv_heads
+from ..text import TextData, describe_files
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +73,20 @@ class ReduceKVHeads(Operation):
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         if params.kv_heads > kv or kv % params.kv_heads:
-            raise ParamError(("kv_heads",), f"{params.kv_heads} KV heads: must divide the current {kv} "
-                             f"(each new head merges a whole group of old ones)")
+            raise ParamError(
+                ("kv_heads",),
+                f"{params.kv_heads} KV heads: must divide the current {kv} "
+                f"(each new head merges a whole group of old ones)",
+            )
         for field in ("calibration", "compare"):
             if (data := getattr(params, field)) is not None:
                 ctx.resolve_text(field, data, (field,))
         new = config.__class__.from_dict({**config.to_dict(), "num_key_value_heads": params.kv_heads})
         keys = "mean keys (q/k norm)" if params.init == "svd" and families.has_qk_norm(config.model_type) else ""
-        note = (f"{kv} -> {params.kv_heads} KV heads ({heads} query heads; KV cache x{params.kv_heads / kv:.2f}), "
-                f"init {params.init}{', ' + keys if keys else ''}")
+        note = (
+            f"{kv} -> {params.kv_heads} KV heads ({heads} query heads; KV cache x{params.kv_heads / kv:.2f}), "
+            f"init {params.init}{', ' + keys if keys else ''}"
+        )
         return ModelState(new, state.dtype), note
 
     def apply(self, params: ReduceKVHeadsParams, patient: Patient, ctx: StepContext) -> Patient:
@@ -111,12 +116,20 @@ class ReduceKVHeads(Operation):
             op=self.name,
             what=f"merged {kv} KV heads into {params.kv_heads} per layer (init {init}{', fitted' if fitted else ''})",
             why=_why(params, kv, per_token, errors, files, fitted, measured, init),
-            params={"kv_heads": params.kv_heads, "init": params.init,
-                    "fit": params.fit.model_dump() if params.fit else None},
+            params={
+                "kv_heads": params.kv_heads,
+                "init": params.init,
+                "fit": params.fit.model_dump() if params.fit else None,
+            },
             before=patient.shape().as_dict(),
             after=architecture.shape_of(new_config, model.dtype).as_dict(),
-            details={"relative_error": errors, "init": init, "compare": measured, "fit": fitted,
-                     "kv_cache_bytes_per_token": {"before": per_token * kv, "after": per_token * params.kv_heads}},
+            details={
+                "relative_error": errors,
+                "init": init,
+                "compare": measured,
+                "fit": fitted,
+                "kv_cache_bytes_per_token": {"before": per_token * kv, "after": per_token * params.kv_heads},
+            },
         )
         result = patient.with_model(reduced, entry)
         for stage in stages:
@@ -133,25 +146,35 @@ class ReduceKVHeads(Operation):
         for name in [name for name in INITS if name != "svd" or with_svd]:
             candidate, _ = build(name)
             measured[name] = compare_to_parent(candidate, compare_windows, reference)
-            stages.append(Stage(name=f"{self.name} init {name}", data=describe_files(compare_files),
-                                metrics=measured[name]))
-            log.info("init %s: kl_mean %.4f, top-1 %.3f, ppl %.2f", name, measured[name]["kl_mean"],
-                     measured[name]["top1_agreement"], measured[name]["ppl"])
+            stages.append(
+                Stage(name=f"{self.name} init {name}", data=describe_files(compare_files), metrics=measured[name])
+            )
+            log.info(
+                "init %s: kl_mean %.4f, top-1 %.3f, ppl %.2f",
+                name,
+                measured[name]["kl_mean"],
+                measured[name]["top1_agreement"],
+                measured[name]["ppl"],
+            )
             del candidate
         return stages, measured
 
 
-def _why(params: ReduceKVHeadsParams, kv: int, per_token: int, errors: dict, files, fitted, measured: dict,
-         init: str) -> str:
+def _why(
+    params: ReduceKVHeadsParams, kv: int, per_token: int, errors: dict, files, fitted, measured: dict, init: str
+) -> str:
     """The provenance entry's reason: the cache saving, then what each measurement said."""
-    why = f"a KV cache {kv // params.kv_heads}x smaller ({per_token * kv:,} -> {per_token * params.kv_heads:,} bytes per token)"
+    smaller = f"{per_token * kv:,} -> {per_token * params.kv_heads:,} bytes per token"
+    why = f"a KV cache {kv // params.kv_heads}x smaller ({smaller})"
     if errors:
         summary = ", ".join(f"{name} K {e['k']:.3f} V {e['v']:.3f}" for name, e in errors.items())
         why += f"; relative error of the merged keys/values on {describe_files(files)}: {summary}"
     if fitted:
         before, after = (sum(f[key] for f in fitted) / len(fitted) for key in ("before", "after"))
-        why += (f"; then each layer's attention fitted to the parent's ({params.fit.steps} steps): relative error of "
-                f"its output {before:.3f} -> {after:.3f} (mean over layers)")
+        why += (
+            f"; then each layer's attention fitted to the parent's ({params.fit.steps} steps): relative error of "
+            f"its output {before:.3f} -> {after:.3f} (mean over layers)"
+        )
     if measured:
         summary = ", ".join(f"{name} {m['kl_mean']:.3f}" for name, m in measured.items())
         why += f"; kl_mean to the parent before healing: {summary}"

@@ -16,16 +16,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import families
-from ..surgery import architecture
-from ..text import TextData, describe_files
 from ..errors import ParamError
-from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
 from ..measure.metrics import windows_digest
 from ..modeling.sparse_attention import SparseSettings, attention_flops
 from ..modeling.sparse_llama import SurgeonSparseLlamaConfig
+from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
 from ..recipe.patient import Patient, Provenance
-from ..training.indexer import WarmupSpec, measure_recall, warm_up
 from ..recipe.step import ModelState, Operation, StepContext, register
+from ..surgery import architecture
+from ..text import TextData, describe_files
+from ..training.indexer import WarmupSpec, measure_recall, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,10 @@ class SparseAttentionParams(BaseModel):
         if self.rope_dim % 2 or self.rope_dim > self.index_dim:
             raise ValueError(f"rope_dim {self.rope_dim} must be even and at most index_dim {self.index_dim}")
         if self.sinks + self.window > self.top_k:
-            raise ValueError(f"sinks {self.sinks} + window {self.window} exceed top_k {self.top_k}: "
-                             "the always-kept keys count inside the k")
+            raise ValueError(
+                f"sinks {self.sinks} + window {self.window} exceed top_k {self.top_k}: "
+                "the always-kept keys count inside the k"
+            )
         return self
 
 
@@ -71,9 +73,12 @@ class SparsifyAttention(Operation):
         if config.model_type == SurgeonSparseLlamaConfig.model_type:
             raise ParamError((), "the model already has sparse attention")
         if not families.is_sparse_base(config.model_type):
-            raise ParamError((), f"sparse attention is built for Llama-architecture models "
-                                 f"({', '.join(families.sparse_base_types())}: SmolLM2, Llama); "
-                                 f"this model is {config.model_type!r}")
+            raise ParamError(
+                (),
+                f"sparse attention is built for Llama-architecture models "
+                f"({', '.join(families.sparse_base_types())}: SmolLM2, Llama); "
+                f"this model is {config.model_type!r}",
+            )
         layers = expand_layers(params.layers, config.num_hidden_layers, ("layers",)) if params.layers else None
         if params.recall is not None:
             ctx.resolve_text("recall", params.recall, ("recall",))
@@ -81,10 +86,14 @@ class SparsifyAttention(Operation):
             ctx.resolve_text("warmup", params.warmup.data, ("warmup", "data"))
         new = sparse_config(config, params, layers)
         n_layers = len(new.sparse_layers())
-        saved = ", ".join(f"{n // 1024}K {1 - ratio:.0%}" if n >= 1024 else f"{n} {1 - ratio:.0%}"
-                          for n, ratio in flop_ratios(new).items())
-        note = (f"top-{params.top_k} keys on {n_layers} layers (sinks {params.sinks}, window {params.window}); "
-                f"indexer {params.index_heads}x{params.index_dim}; attention FLOPs saved: {saved}")
+        saved = ", ".join(
+            f"{n // 1024}K {1 - ratio:.0%}" if n >= 1024 else f"{n} {1 - ratio:.0%}"
+            for n, ratio in flop_ratios(new).items()
+        )
+        note = (
+            f"top-{params.top_k} keys on {n_layers} layers (sinks {params.sinks}, window {params.window}); "
+            f"indexer {params.index_heads}x{params.index_dim}; attention FLOPs saved: {saved}"
+        )
         if params.warmup is not None:
             note += f"; indexer warm-up {params.warmup.steps} steps"
         return ModelState(new, state.dtype), note
@@ -110,13 +119,24 @@ class SparsifyAttention(Operation):
             spec = params.warmup
             files, windows = ctx.text_windows("warmup", spec.data, patient.tokenizer)
             held = min(spec.heldout_windows, max(0, windows.shape[0] - 1))
-            train_ids, heldout_ids = windows[: windows.shape[0] - held], windows[windows.shape[0] - held:]
+            train_ids, heldout_ids = windows[: windows.shape[0] - held], windows[windows.shape[0] - held :]
             digest = ctx.run_digest(windows_digest(windows), "warmup")
             with ctx.checkpoint_dir() as work:
-                result = warm_up(sparse, train_ids, heldout_ids, spec, checkpoint_dir=work / f"indexer-step{ctx.index}",
-                                 resume=ctx.resume, run_digest=digest)
-            details["warmup"] = {"training": result.summary(), "curve": result.curve, "heldout": result.evals,
-                                 "data": describe_files(files)}
+                result = warm_up(
+                    sparse,
+                    train_ids,
+                    heldout_ids,
+                    spec,
+                    checkpoint_dir=work / f"indexer-step{ctx.index}",
+                    resume=ctx.resume,
+                    run_digest=digest,
+                )
+            details["warmup"] = {
+                "training": result.summary(),
+                "curve": result.curve,
+                "heldout": result.evals,
+                "data": describe_files(files),
+            }
         if recall_windows is not None and params.warmup is not None:
             details["recall"] = _rounded(measure_recall(sparse, recall_windows))
 
@@ -124,14 +144,19 @@ class SparsifyAttention(Operation):
         why = f"attention reads at most {params.top_k} keys per query; attention FLOPs saved at {saved} tokens"
         if recall_windows is not None:
             final = _mean(details.get("recall", details["recall_at_init"]))
-            why += f"; the top-{params.top_k} selection keeps {final:.1%} of the dense attention mass on {details['recall_data']}"
+            why += (
+                f"; the top-{params.top_k} selection keeps {final:.1%} of the dense attention mass"
+                f" on {details['recall_data']}"
+            )
             if "recall" in details:
                 why += f" (mean over layers; {_mean(details['recall_at_init']):.1%} with the untrained indexers)"
         entry = Provenance(
             op=self.name,
-            what=(f"sparse attention on layers {format_ranges(config.sparse_layers())}: top-{params.top_k} keys "
-                  f"(sinks {params.sinks}, window {params.window}) chosen by a {params.index_heads}x{params.index_dim} "
-                  f"lightning indexer{', warmed up' if params.warmup else ''}"),
+            what=(
+                f"sparse attention on layers {format_ranges(config.sparse_layers())}: top-{params.top_k} keys "
+                f"(sinks {params.sinks}, window {params.window}) chosen by a {params.index_heads}x{params.index_dim} "
+                f"lightning indexer{', warmed up' if params.warmup else ''}"
+            ),
             why=why,
             params=params.model_dump(mode="json", exclude={"warmup", "recall"}),
             before=patient.shape().as_dict(),
@@ -142,8 +167,15 @@ class SparsifyAttention(Operation):
 
 
 def sparse_config(config, params: SparseAttentionParams, layers: list[int] | None) -> SurgeonSparseLlamaConfig:
-    spec = {"layers": layers, "top_k": params.top_k, "sinks": params.sinks, "window": params.window,
-            "index_heads": params.index_heads, "index_dim": params.index_dim, "rope_dim": params.rope_dim}
+    spec = {
+        "layers": layers,
+        "top_k": params.top_k,
+        "sinks": params.sinks,
+        "window": params.window,
+        "index_heads": params.index_heads,
+        "index_dim": params.index_dim,
+        "rope_dim": params.rope_dim,
+    }
     fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "auto_map")}
     return SurgeonSparseLlamaConfig(sparse_attention=spec, **fields)
 
@@ -154,10 +186,15 @@ def indexer_init(config: SurgeonSparseLlamaConfig, generator: torch.Generator) -
     heads, dim = spec["index_heads"], spec["index_dim"]
 
     def normal(rows: int) -> torch.Tensor:
-        return torch.randn(rows, hidden, generator=generator) * hidden ** -0.5
+        return torch.randn(rows, hidden, generator=generator) * hidden**-0.5
 
-    return {"wq.weight": normal(heads * dim), "wk.weight": normal(dim), "weights_proj.weight": normal(heads),
-            "k_norm.weight": torch.ones(dim), "k_norm.bias": torch.zeros(dim)}
+    return {
+        "wq.weight": normal(heads * dim),
+        "wk.weight": normal(dim),
+        "weights_proj.weight": normal(heads),
+        "k_norm.weight": torch.ones(dim),
+        "k_norm.bias": torch.zeros(dim),
+    }
 
 
 def flop_counts(config: SurgeonSparseLlamaConfig) -> dict[int, tuple[int, int]]:
@@ -167,10 +204,14 @@ def flop_counts(config: SurgeonSparseLlamaConfig) -> dict[int, tuple[int, int]]:
     settings = SparseSettings(top_k=spec["top_k"], sinks=spec["sinks"], window=spec["window"])
     head_dim, heads, layers = architecture.head_dim(config), config.num_attention_heads, config.num_hidden_layers
     sparse = len(config.sparse_layers())
-    return {n: (attention_flops(n, layers, heads, head_dim),
-                attention_flops(n, layers - sparse, heads, head_dim)
-                + attention_flops(n, sparse, heads, head_dim, settings, spec["index_heads"], spec["index_dim"]))
-            for n in FLOP_LENGTHS}
+    return {
+        n: (
+            attention_flops(n, layers, heads, head_dim),
+            attention_flops(n, layers - sparse, heads, head_dim)
+            + attention_flops(n, sparse, heads, head_dim, settings, spec["index_heads"], spec["index_dim"]),
+        )
+        for n in FLOP_LENGTHS
+    }
 
 
 def flop_ratios(config) -> dict[int, float]:

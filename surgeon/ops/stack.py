@@ -8,17 +8,17 @@ storage in the export.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..surgery import architecture
-from ..errors import ParamError
-from ..recipe.patient import Patient, Provenance
 from ..checkpoints.sources import Source
-from ..recipe.step import BASE, PATIENT, ModelState, Operation, StepContext, register
+from ..errors import ParamError
 from ..recipe.layer_spec import LayerList, expand_layers, format_ranges
+from ..recipe.patient import Patient, Provenance
+from ..recipe.step import BASE, PATIENT, ModelState, Operation, StepContext, register
+from ..surgery import architecture
 
 
 class Slice(BaseModel):
@@ -114,7 +114,7 @@ class _Donor:
     generation_config: object
 
     @classmethod
-    def of(cls, name: str, patient: Patient, ctx: StepContext) -> "_Donor":
+    def of(cls, name: str, patient: Patient, ctx: StepContext) -> _Donor:
         if name in (PATIENT, BASE):
             model = patient.model if name == PATIENT else patient.parent
             return cls(model.config, model.state_dict(), None, lambda: patient.tokenizer, model.generation_config)
@@ -154,7 +154,9 @@ def _check_subset(source: Source | None, layers: list[int], path: tuple) -> None
     missing = [i for i in layers if i not in present]
     if missing:
         raise ParamError(
-            path, f"source '{source.label}' is limited to {list(source.modules)}, which excludes layers {format_ranges(missing)}"
+            path,
+            f"source '{source.label}' is limited to {list(source.modules)}, "
+            f"which excludes layers {format_ranges(missing)}",
         )
 
 

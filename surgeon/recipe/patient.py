@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..surgery.architecture import Shape, shape_of
 from ..checkpoints.sources import Source
+from ..surgery.architecture import Shape, shape_of
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Patient:
     origin: tuple[int | None, ...] | None = None  # per layer: the parent layer it came from (None: new)
 
     @classmethod
-    def from_source(cls, source: Source) -> "Patient":
+    def from_source(cls, source: Source) -> Patient:
         model = source.load_model()
         for param in model.parameters():
             param.requires_grad_(False)  # surgery and evaluation need no gradients; healing opts in
@@ -77,9 +77,13 @@ class Patient:
             return list(range(self.model.config.num_hidden_layers))
         return list(self.origin)
 
-    def with_model(self, model: torch.nn.Module, entry: Provenance, origin: list[int | None] | None = None) -> "Patient":
-        return dataclasses.replace(self, model=model, provenance=self.provenance + (entry,),
-                                   origin=tuple(origin) if origin is not None else self.origin)
+    def with_model(self, model: torch.nn.Module, entry: Provenance, origin: list[int | None] | None = None) -> Patient:
+        return dataclasses.replace(
+            self,
+            model=model,
+            provenance=self.provenance + (entry,),
+            origin=tuple(origin) if origin is not None else self.origin,
+        )
 
-    def with_stage(self, stage: Stage) -> "Patient":
+    def with_stage(self, stage: Stage) -> Patient:
         return dataclasses.replace(self, stages=self.stages + (stage,))

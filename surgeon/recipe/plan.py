@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import families
-from ..surgery.architecture import Shape, shape_of
+from ..checkpoints.sources import DTYPES, Source, resolve_source
 from ..errors import ParamError, RecipeError, SourceError
 from ..ops import OPERATIONS
-from .step import BASE, ModelState, StepContext
+from ..surgery.architecture import Shape, shape_of
 from .schema import Recipe, SourceSpec
-from ..checkpoints.sources import DTYPES, Source, resolve_source
+from .step import BASE, ModelState, StepContext
 
 
 @dataclass
@@ -65,8 +65,14 @@ def plan_recipe(recipe: Recipe) -> Plan:
             recipe_dir=recipe.directory, sources=sources, index=step.index, label=step.label, previous_op=previous
         )
         if families.is_surgeon_vlm(state.config) and not OPERATIONS[step.op].accepts_vlm:
-            raise RecipeError([recipe.problem(("steps", step.index, step.op),
-                                              f"{step.op} edits the language model's layers: put it before graft_vision")])
+            raise RecipeError(
+                [
+                    recipe.problem(
+                        ("steps", step.index, step.op),
+                        f"{step.op} edits the language model's layers: put it before graft_vision",
+                    )
+                ]
+            )
         try:
             state, note = OPERATIONS[step.op].plan(step.params, state, ctx)
         except ParamError as exc:
@@ -90,7 +96,9 @@ def format_plan(plan: Plan) -> str:
     rows = [header]
     for row in plan.rows:
         s = row.shape
-        rows.append((row.step, str(s.layers), str(s.heads), str(s.kv_heads), _count(s.params), _bytes(s.bytes), row.note))
+        rows.append(
+            (row.step, str(s.layers), str(s.heads), str(s.kv_heads), _count(s.params), _bytes(s.bytes), row.note)
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     lines = []
     for r in rows:

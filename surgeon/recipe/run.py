@@ -14,8 +14,8 @@ from pathlib import Path
 from accelerate import PartialState
 
 from .. import __version__
-from ..errors import ExportError, ParamError, RecipeError, SurgeonError
 from ..checkpoints.export import check_target, export_model, push_folder
+from ..errors import ExportError, ParamError, RecipeError, SurgeonError
 from ..ops import OPERATIONS
 from .patient import Patient
 from .plan import Plan, plan_recipe
@@ -46,7 +46,9 @@ def work_dir_for(target: Path) -> Path:
     return target.parent / f"{target.name}.checkpoints"
 
 
-def run_recipe(recipe: Recipe, out: str | Path | None = None, overwrite: bool = False, resume: bool = False) -> RunResult:
+def run_recipe(
+    recipe: Recipe, out: str | Path | None = None, overwrite: bool = False, resume: bool = False
+) -> RunResult:
     started = time.perf_counter()
     plan = plan_recipe(recipe)  # every check that needs no weights, first
     target = export_target(recipe, out)
@@ -55,8 +57,10 @@ def run_recipe(recipe: Recipe, out: str | Path | None = None, overwrite: bool = 
     work = work_dir_for(target)
     if work.exists() and not resume:
         if not overwrite:
-            raise ExportError(f"{work} holds checkpoints of an interrupted run: pass --resume to continue it, "
-                              "or --overwrite to start over")
+            raise ExportError(
+                f"{work} holds checkpoints of an interrupted run: pass --resume to continue it, "
+                "or --overwrite to start over"
+            )
         shutil.rmtree(work)
     digest = hashlib.sha256(recipe.text.encode()).hexdigest()[:16]
     for ctx in plan.contexts:

@@ -152,9 +152,11 @@ def _parse_step(item: Any, index: int, lines: LineMap) -> tuple[Step | None, lis
     here = ("steps", index)
     if not isinstance(item, dict) or len(item) != 1:
         ops = ", ".join(sorted(OPERATIONS))
-        return None, [f"{lines.where(here)}: {format_path(here)}: a step is one operation with its parameters, "
-                      f"e.g. `- drop_layers: {{layers: [12]}}` (operations: {ops})"]
-    (op, raw), = item.items()
+        return None, [
+            f"{lines.where(here)}: {format_path(here)}: a step is one operation with its parameters, "
+            f"e.g. `- drop_layers: {{layers: [12]}}` (operations: {ops})"
+        ]
+    ((op, raw),) = item.items()
     if op not in OPERATIONS:
         close = difflib.get_close_matches(str(op), OPERATIONS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f" (operations: {', '.join(sorted(OPERATIONS))})"
@@ -162,8 +164,10 @@ def _parse_step(item: Any, index: int, lines: LineMap) -> tuple[Step | None, lis
     params_cls = OPERATIONS[op].Params
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
-        return None, [f"{lines.where(here + (op,))}: {format_path(here + (op,))}: parameters must be a mapping, "
-                      f"got {type(raw).__name__}"]
+        return None, [
+            f"{lines.where(here + (op,))}: {format_path(here + (op,))}: parameters must be a mapping, "
+            f"got {type(raw).__name__}"
+        ]
     try:
         return Step(op, params_cls.model_validate(raw), index), []
     except ValidationError as exc:
@@ -180,7 +184,9 @@ def _pydantic_problems(exc: ValidationError, data: Any, lines: LineMap, prefix: 
         if kind == "extra_forbidden":
             allowed = _fields_at(model, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else (f" (allowed: {', '.join(allowed)})" if allowed else "")
+            hint = (
+                f" (did you mean '{close[0]}'?)" if close else (f" (allowed: {', '.join(allowed)})" if allowed else "")
+            )
             path, message = prefix + loc, f"unknown key '{loc[-1]}'{hint}"
         elif kind == "missing":
             path, message = prefix + loc[:-1], f"missing required key '{loc[-1]}'"

@@ -8,7 +8,6 @@ An operation has a pydantic `Params` model and two methods:
 - `apply(params, patient, ctx)`: do it, returning a new Patient with a provenance entry.
 """
 
-
 from __future__ import annotations
 
 import hashlib
@@ -23,10 +22,10 @@ import torch
 from pydantic import BaseModel
 from transformers import PretrainedConfig
 
-from ..text import TextData, resolve_text_files, token_windows
-from ..errors import ParamError
-from .patient import Patient
 from ..checkpoints.sources import Source
+from ..errors import ParamError
+from ..text import TextData, resolve_text_files, token_windows
+from .patient import Patient
 
 # Names a step may use for "the model as it stands now" and "the recipe's unoperated base".
 PATIENT = "patient"

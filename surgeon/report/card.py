@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import yaml
 
-from .provenance_plots import CARD_PREFIXES
 from ..measure.metrics import METRIC_NAMES
+from .provenance_plots import CARD_PREFIXES
 
-_TAGS_BY_OP = {"drop_layers": "layer-pruning", "stack": "passthrough", "heal": "distillation", "evaluate": None,
-               "graft_vision": "vision-graft", "reduce_kv_heads": "gqa", "sparse_attention": "sparse-attention"}
+_TAGS_BY_OP = {
+    "drop_layers": "layer-pruning",
+    "stack": "passthrough",
+    "heal": "distillation",
+    "evaluate": None,
+    "graft_vision": "vision-graft",
+    "reduce_kv_heads": "gqa",
+    "sparse_attention": "sparse-attention",
+}
 
 
 def render_card(report: dict, recipe_text: str, plots: list[str] = ()) -> str:
@@ -94,9 +101,15 @@ def _kl_section(kl_stages: list[dict]) -> list[str]:
 def _instruction_section(checks: list[dict]) -> list[str]:
     if not checks:
         return []
-    lines = ["## Instruction check", "",
-             f"{checks[0]['metrics']['total']} prompts with checkable answers (capitals, arithmetic, lists, "
-             "yes/no facts), greedy decoding.", "", "| stage | correct | parent |", "|---|---:|---:|"]
+    lines = [
+        "## Instruction check",
+        "",
+        f"{checks[0]['metrics']['total']} prompts with checkable answers (capitals, arithmetic, lists, "
+        "yes/no facts), greedy decoding.",
+        "",
+        "| stage | correct | parent |",
+        "|---|---:|---:|",
+    ]
     for stage in checks:
         m = stage["metrics"]
         lines.append(f"| {stage['name']} | {m['correct']}/{m['total']} | {m['parent_correct']}/{m['total']} |")
@@ -108,10 +121,17 @@ def _plots_section(plots: list[str]) -> list[str]:
     analysis = [name for name in plots if name.startswith(CARD_PREFIXES)]
     lines = []
     if analysis:
-        lines += ["## Layer analysis", "",
-                  "What the steps measured on their calibration text, drawn as `surgeon analyze` draws it"
-                  + (" (shaded: the removed block's start; circled: the removed layers)."
-                     if any(n.startswith("angular") for n in analysis) else "."), ""]
+        lines += [
+            "## Layer analysis",
+            "",
+            "What the steps measured on their calibration text, drawn as `surgeon analyze` draws it"
+            + (
+                " (shaded: the removed block's start; circled: the removed layers)."
+                if any(n.startswith("angular") for n in analysis)
+                else "."
+            ),
+            "",
+        ]
         lines += [f"![{name.removesuffix('.png')}]({name})\n" for name in analysis]
     return lines + [f"![{name.removesuffix('.png')}]({name})\n" for name in plots if name not in analysis]
 
@@ -119,23 +139,31 @@ def _plots_section(plots: list[str]) -> list[str]:
 def _healing_section(entry: dict) -> list[str]:
     training, data = entry["details"]["training"], entry["details"]["data"]
     heldout = entry["details"].get("heldout") or []
+    trainable = entry["params"]["trainable"]
     lines = [
         "## Healing",
         "",
         f"- {training['steps']} optimizer steps, {training['tokens']:,} target tokens in {training['seconds']:.0f} s "
         f"({training['tokens_per_second']} tokens/s, {training['precision']})"
         + (f"; stopped early, weights of step {training['best_step']} kept" if training["stopped_early"] else ""),
-        f"- trained {entry['params']['trainable']['trainable']:,} of {entry['params']['trainable']['total']:,} parameters"
-        + (f"; the first {training['shared_prefix_layers']} layers were shared with the teacher and skipped"
-           if training["shared_prefix_layers"] else ""),
+        f"- trained {trainable['trainable']:,} of {trainable['total']:,} parameters"
+        + (
+            f"; the first {training['shared_prefix_layers']} layers were shared with the teacher and skipped"
+            if training["shared_prefix_layers"]
+            else ""
+        ),
     ]
     if "train_examples" in data:  # a grafted VLM trained on image questions
         lines.append(f"- data: {data['train_examples']:,} image questions, {data['heldout_examples']} held out")
         if len(heldout) >= 2:
-            lines.append(f"- held-out answer loss {heldout[0]['loss']:.4f} -> {heldout[-1]['loss']:.4f}; exact answers "
-                         f"{heldout[0]['exact']:.1%} -> {heldout[-1]['exact']:.1%}")
+            lines.append(
+                f"- held-out answer loss {heldout[0]['loss']:.4f} -> {heldout[-1]['loss']:.4f}; exact answers "
+                f"{heldout[0]['exact']:.1%} -> {heldout[-1]['exact']:.1%}"
+            )
         return lines + [""]
-    lines.append(f"- data: {data['train_windows']} windows of {data['window']} tokens, {data['heldout_windows']} held out")
+    lines.append(
+        f"- data: {data['train_windows']} windows of {data['window']} tokens, {data['heldout_windows']} held out"
+    )
     if len(heldout) >= 2:
         lines.append(f"- held-out KL: {heldout[0]['kl_mean']:.4f} before healing, {heldout[-1]['kl_mean']:.4f} after")
     return lines + [""]
@@ -148,15 +176,21 @@ def _fmt(value) -> str:
 
 
 def _vision_section(stages: list[dict]) -> list[str]:
-    lines = ["## Image questions", "",
-             "Exact answers (greedy decoding) on held-out image questions; *shuffled* asks the same questions "
-             "about other examples' images, and *chance* is what always giving the commonest answer of each "
-             "kind scores.", "", "| stage | data | kind | accuracy | shuffled | chance | examples |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "## Image questions",
+        "",
+        "Exact answers (greedy decoding) on held-out image questions; *shuffled* asks the same questions "
+        "about other examples' images, and *chance* is what always giving the commonest answer of each "
+        "kind scores.",
+        "",
+        "| stage | data | kind | accuracy | shuffled | chance | examples |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for stage in stages:
         m = stage["metrics"]
-        sources = sorted({k.removesuffix("_accuracy") for k in m
-                          if k.endswith("_accuracy") and not k.endswith("_shuffled_accuracy")})
+        sources = sorted(
+            {k.removesuffix("_accuracy") for k in m if k.endswith("_accuracy") and not k.endswith("_shuffled_accuracy")}
+        )
         for source in sources:
             kinds = sorted(k.removeprefix(f"{source}_accuracy_") for k in m if k.startswith(f"{source}_accuracy_"))
             kinds = [] if kinds == [source] else kinds  # one kind (mnist): the "all" row says it
@@ -164,10 +198,12 @@ def _vision_section(stages: list[dict]) -> list[str]:
                 suffix = "" if kind == "all" else f"_{kind}"
                 shuffled = m.get(f"{source}_shuffled_accuracy{suffix}")
                 count = m.get(f"{source}_examples{suffix}")
-                lines.append(f"| {stage['name']} | {source} | {kind} | {m[f'{source}_accuracy{suffix}']:.1%} | "
-                             f"{'' if shuffled is None else f'{shuffled:.1%}'} | "
-                             f"{_fmt_share(m.get(f'{source}_chance')) if kind == 'all' else ''} | "
-                             f"{'' if count is None else count} |")
+                lines.append(
+                    f"| {stage['name']} | {source} | {kind} | {m[f'{source}_accuracy{suffix}']:.1%} | "
+                    f"{'' if shuffled is None else f'{shuffled:.1%}'} | "
+                    f"{_fmt_share(m.get(f'{source}_chance')) if kind == 'all' else ''} | "
+                    f"{'' if count is None else count} |"
+                )
     return lines + [""]
 
 
@@ -179,21 +215,47 @@ def _use_section(vision: bool, report: dict) -> list[str]:
     if not vision:
         sparse = any(p["op"] == "sparse_attention" for p in report["provenance"])
         flag = ", trust_remote_code=True" if sparse else ""
-        return ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-                f'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO"{flag})',
-                f'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO"{flag})', "```", "",
-                *(["The sparse-attention model class is saved beside the weights (`auto_map`); "
-                   "`trust_remote_code=True` runs that code, which you can read first.", ""] if sparse else [])]
+        return [
+            "## Use",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO"{flag})',
+            f'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO"{flag})',
+            "```",
+            "",
+            *(
+                [
+                    "The sparse-attention model class is saved beside the weights (`auto_map`); "
+                    "`trust_remote_code=True` runs that code, which you can read first.",
+                    "",
+                ]
+                if sparse
+                else []
+            ),
+        ]
     remote = report.get("export_class") != "LlavaForConditionalGeneration"
     flag = ", trust_remote_code=True" if remote else ""
-    return ["## Use", "", "```python", "from PIL import Image",
-            "from transformers import AutoModelForImageTextToText, AutoProcessor", "",
-            f'model = AutoModelForImageTextToText.from_pretrained("PATH_OR_REPO"{flag})',
-            f'processor = AutoProcessor.from_pretrained("PATH_OR_REPO"{flag})',
-            'chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]',
-            "prompt = processor.apply_chat_template(chat, add_generation_prompt=True)",
-            'inputs = processor(images=[Image.open("picture.png")], text=prompt, return_tensors="pt")',
-            "out = model.generate(**inputs, max_new_tokens=16, do_sample=False)",
-            'print(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))', "```",
-            "" if not remote else "The model class is saved beside the weights (`auto_map`); "
-            "`trust_remote_code=True` runs that code, which you can read first.", ""]
+    return [
+        "## Use",
+        "",
+        "```python",
+        "from PIL import Image",
+        "from transformers import AutoModelForImageTextToText, AutoProcessor",
+        "",
+        f'model = AutoModelForImageTextToText.from_pretrained("PATH_OR_REPO"{flag})',
+        f'processor = AutoProcessor.from_pretrained("PATH_OR_REPO"{flag})',
+        'chat = [{"role": "user", "content": [{"type": "image"}, '
+        '{"type": "text", "text": "What colour is the shape?"}]}]',
+        "prompt = processor.apply_chat_template(chat, add_generation_prompt=True)",
+        'inputs = processor(images=[Image.open("picture.png")], text=prompt, return_tensors="pt")',
+        "out = model.generate(**inputs, max_new_tokens=16, do_sample=False)",
+        'print(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+        "```",
+        ""
+        if not remote
+        else "The model class is saved beside the weights (`auto_map`); "
+        "`trust_remote_code=True` runs that code, which you can read first.",
+        "",
+    ]

@@ -23,8 +23,7 @@ def angular_distance(angular: dict[int, list[float]], sizes: list[int], chosen: 
     """One curve per block size n: the angular distance of block [l, l+n) against its first layer l."""
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
     for colour, n in zip(_COLOURS, sizes):
-        ax.plot(range(len(angular[n])), angular[n], "o-", markersize=3, linewidth=1.2, color=colour,
-                label=f"n = {n}")
+        ax.plot(range(len(angular[n])), angular[n], "o-", markersize=3, linewidth=1.2, color=colour, label=f"n = {n}")
     if chosen:  # the block a suggestion or a drop_layers step picked, shaded (not a curve)
         ax.axvspan(chosen[0] - 0.4, chosen[0] + 0.4, color="#C44E52", alpha=0.15, label="chosen block start")
     ax.set_xlabel("first layer l of the block [l, l+n)")
@@ -35,11 +34,25 @@ def angular_distance(angular: dict[int, list[float]], sizes: list[int], chosen: 
 
 def block_influence(influence: list[float], dropped: list[int] | None = None) -> Figure:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
-    ax.plot(range(len(influence)), influence, "o-", markersize=3, linewidth=1.2, color=_COLOURS[0],
-            label="1 - cos(input, output)")
+    ax.plot(
+        range(len(influence)),
+        influence,
+        "o-",
+        markersize=3,
+        linewidth=1.2,
+        color=_COLOURS[0],
+        label="1 - cos(input, output)",
+    )
     if dropped:
-        ax.scatter(dropped, [influence[i] for i in dropped], s=40, facecolors="none", edgecolors="#C44E52",
-                   label="dropped", zorder=3)
+        ax.scatter(
+            dropped,
+            [influence[i] for i in dropped],
+            s=40,
+            facecolors="none",
+            edgecolors="#C44E52",
+            label="dropped",
+            zorder=3,
+        )
     ax.set_yscale("log")  # the first layer's influence is often 10-100x the others'
     ax.set_xlabel("layer")
     ax.set_ylabel("block influence")
@@ -54,8 +67,13 @@ def kv_similarity(similarity: dict[str, list[float]], merge_loss: dict[int, dict
         ax.plot(similarity[kind], "o-", markersize=3, linewidth=1.2, color=colour, label=f"{kind.upper()} head cosine")
     for colour, (target, loss) in zip(_COLOURS[2:], sorted(merge_loss.items())):
         for style, kind in (("--", "k"), (":", "v")):
-            ax.plot([1 - x for x in loss[kind]], style, linewidth=1.2, color=colour,
-                    label=f"{kind.upper()} energy kept, svd merge to {target}")
+            ax.plot(
+                [1 - x for x in loss[kind]],
+                style,
+                linewidth=1.2,
+                color=colour,
+                label=f"{kind.upper()} energy kept, svd merge to {target}",
+            )
     ax.axhline(0, color="#444444", linewidth=0.6, gid="guide")  # not a curve
     ax.set_ylim(min(-0.3, ax.get_ylim()[0]), 1.02)
     ax.set_xlabel("layer")
@@ -69,8 +87,15 @@ def indexer_recall(series: dict[str, dict[int, float]]) -> Figure:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
     for colour, (label, recall) in zip(_COLOURS, series.items()):
         layers = sorted(recall, key=int)
-        ax.plot([int(i) for i in layers], [recall[i] for i in layers], "o-", markersize=4, linewidth=1.2,
-                color=colour, label=label)
+        ax.plot(
+            [int(i) for i in layers],
+            [recall[i] for i in layers],
+            "o-",
+            markersize=4,
+            linewidth=1.2,
+            color=colour,
+            label=label,
+        )
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("layer")
     ax.set_ylabel("share of dense attention mass kept")

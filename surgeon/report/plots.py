@@ -29,12 +29,25 @@ def _healing_curve(entry: dict) -> bytes:
     vision = bool(heldout) and "exact" in heldout[0]
     if heldout:
         key, label = ("loss", "held-out answer loss") if vision else ("kl_mean", "held-out KL")
-        ax.plot([h["step"] for h in heldout], [h[key] for h in heldout], "o-", label=label,
-                color="#C44E52", linewidth=1.5, markersize=4)
+        ax.plot(
+            [h["step"] for h in heldout],
+            [h[key] for h in heldout],
+            "o-",
+            label=label,
+            color="#C44E52",
+            linewidth=1.5,
+            markersize=4,
+        )
     if vision:  # the share of held-out questions answered exactly, on its own axis
         right = ax.twinx()
-        right.plot([h["step"] for h in heldout], [h["exact"] for h in heldout], "s--", color="#8172B2",
-                   label="held-out exact answers", markersize=3)
+        right.plot(
+            [h["step"] for h in heldout],
+            [h["exact"] for h in heldout],
+            "s--",
+            color="#8172B2",
+            label="held-out exact answers",
+            markersize=3,
+        )
         right.set_ylim(0, 1)
         right.set_ylabel("exact answers")
         right.legend(frameon=False, loc="center right")
@@ -57,12 +70,16 @@ def _stages(stages: list[dict]) -> bytes:
         bars = ax.bar(range(len(group)), kls, color="#4C72B0")
         for bar, stage in zip(bars, group, strict=True):
             m = stage["metrics"]
-            ax.annotate(f"KL {m['kl_mean']:.3f}\ntop-1 {m['top1_agreement']:.2f}\nppl {m['ppl']:.1f}",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"KL {m['kl_mean']:.3f}\ntop-1 {m['top1_agreement']:.2f}\nppl {m['ppl']:.1f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(range(len(group)), [s["name"] for s in group], fontsize=8)
         ax.set_ylim(0, max(kls + [0.01]) * 1.5)
         ax.set_title(data if len(data) < 40 else data[:37] + "...", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("mean KL(parent || model)")
     return png_bytes(fig)
-

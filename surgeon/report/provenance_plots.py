@@ -17,8 +17,10 @@ def provenance_plots(report: dict) -> dict[str, bytes]:
             dropped = entry["params"]["layers"]
             angular = {len(dropped): details["angular_distance_by_block_start"]}
             contiguous = dropped == list(range(dropped[0], dropped[0] + len(dropped)))
-            drawn += [figures.angular_distance(angular, [len(dropped)], dropped if contiguous else None),
-                      figures.block_influence(details["block_influence_by_layer"], dropped)]
+            drawn += [
+                figures.angular_distance(angular, [len(dropped)], dropped if contiguous else None),
+                figures.block_influence(details["block_influence_by_layer"], dropped),
+            ]
         if entry["op"] == "sparse_attention" and details.get("recall"):
             series = {"after the indexer warm-up": details["recall"]}
             if details.get("recall_at_init"):

@@ -105,7 +105,7 @@ def layer_tensor_name(index: int, suffix: str) -> str:
 
 
 def split_layer_name(name: str) -> tuple[int, str] | None:
-    """"model.layers.12.mlp.up_proj.weight" -> (12, "mlp.up_proj.weight"); None for non-layer tensors."""
+    """ "model.layers.12.mlp.up_proj.weight" -> (12, "mlp.up_proj.weight"); None for non-layer tensors."""
     match = _LAYER_NAME.match(name)
     return (int(match.group(1)), match.group(2)) if match else None
 

@@ -34,7 +34,9 @@ def capture_attention(model, windows: torch.Tensor) -> list[dict]:
     def before(index, hidden, kwargs):
         taken[index]["x"].append(hidden.float())
         if taken[index]["kwargs"] is None:  # equal-length windows without padding: the same for all
-            taken[index]["kwargs"] = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "cache", "past_key_values")}
+            taken[index]["kwargs"] = {
+                k: v for k, v in kwargs.items() if k not in ("hidden_states", "cache", "past_key_values")
+            }
 
     with on_input(attentions, before), on_output(attentions, lambda index, out: taken[index]["y"].append(out.float())):
         for row in tqdm(windows, desc="parent attention", unit="window", leave=False):
@@ -61,7 +63,9 @@ def fit_attention(model, captured: list[dict], steps: int, lr: float, batch: int
         with torch.no_grad():
             before = output_error(attention, data["x"], data["y"], data["kwargs"]).item()
         optimizer = torch.optim.Adam(params, lr=lr)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps))
+        )
         n = data["x"].shape[0]
         for _ in range(steps):
             rows = torch.randint(0, n, (min(batch, n),), generator=generator)

@@ -22,12 +22,14 @@ def hidden_output(output) -> torch.Tensor:
 
 
 @contextmanager
-def on_input(modules: Mapping[Hashable, torch.nn.Module],
-             take: Callable[[Hashable, torch.Tensor, dict], None]) -> Iterator[None]:
+def on_input(
+    modules: Mapping[Hashable, torch.nn.Module], take: Callable[[Hashable, torch.Tensor, dict], None]
+) -> Iterator[None]:
     """While open, `take(key, hidden, kwargs)` sees the hidden state entering each module (and the
     other keyword arguments it was called with)."""
     with ExitStack() as hooks:
         for key, module in modules.items():
+
             def hook(_module, args, kwargs, key=key):
                 take(key, hidden_input(args, kwargs), kwargs)
 
@@ -36,10 +38,13 @@ def on_input(modules: Mapping[Hashable, torch.nn.Module],
 
 
 @contextmanager
-def on_output(modules: Mapping[Hashable, torch.nn.Module], take: Callable[[Hashable, torch.Tensor], None]) -> Iterator[None]:
+def on_output(
+    modules: Mapping[Hashable, torch.nn.Module], take: Callable[[Hashable, torch.Tensor], None]
+) -> Iterator[None]:
     """While open, `take(key, hidden)` sees the hidden state leaving each module."""
     with ExitStack() as hooks:
         for key, module in modules.items():
+
             def hook(_module, _args, output, key=key):
                 take(key, hidden_output(output))
 
@@ -50,6 +55,7 @@ def on_output(modules: Mapping[Hashable, torch.nn.Module], take: Callable[[Hasha
 @contextmanager
 def feeding(module: torch.nn.Module, hidden: torch.Tensor) -> Iterator[None]:
     """While open, `module` is called with `hidden` in place of the hidden state it is given."""
+
     def hook(_module, args, kwargs):
         if args:
             return (hidden, *args[1:]), kwargs

@@ -30,7 +30,7 @@ def boundary_statistics(model, windows: torch.Tensor, batch: int = 2) -> dict[st
     layers = decoder.layers
     captured: list[torch.Tensor] = []
 
-    take = lambda _key, hidden, *_: captured.append(hidden)  # noqa: E731  boundaries in forward order
+    take = lambda _key, hidden, *_: captured.append(hidden)
     last, influence_sum, influence_count = [], torch.zeros(len(layers), dtype=torch.float64), 0
     device = next(model.parameters()).device
     with on_input(dict(enumerate(layers)), take), on_output({"top": layers[-1]}, take):

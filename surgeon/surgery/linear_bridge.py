@@ -43,14 +43,23 @@ def fit_bridges(model, windows: torch.Tensor, runs: list[tuple[int, int]], ridge
     layers = model.base_model.layers
     n = len(layers)
     hidden = model.config.hidden_size
-    stats = {run: {"mm": torch.zeros(hidden, hidden, dtype=torch.float64),
-                   "md": torch.zeros(hidden, hidden, dtype=torch.float64), "dd": 0.0, "ii": 0.0} for run in runs}
+    stats = {
+        run: {
+            "mm": torch.zeros(hidden, hidden, dtype=torch.float64),
+            "md": torch.zeros(hidden, hidden, dtype=torch.float64),
+            "dd": 0.0,
+            "ii": 0.0,
+        }
+        for run in runs
+    }
     taken: dict = {}
-    watched = {**{("mlp", a - 1): layers[a - 1].mlp for a, _ in runs},
-               **{("out", a - 1): layers[a - 1] for a, _ in runs}}
+    watched = {
+        **{("mlp", a - 1): layers[a - 1].mlp for a, _ in runs},
+        **{("out", a - 1): layers[a - 1] for a, _ in runs},
+    }
     # The target: the stream entering layer b+1, or the final norm when the block ran to the top.
     targets = {("in", b + 1): layers[b + 1] if b + 1 < n else model.base_model.norm for _, b in runs}
-    store = lambda key, state, *_: taken.__setitem__(key, state)  # noqa: E731
+    store = lambda key, state, *_: taken.__setitem__(key, state)
     device = next(model.parameters()).device
     with on_output(watched, store), on_input(targets, store):
         for row in tqdm(range(windows.shape[0]), desc="linear bridge", unit="window", leave=False):

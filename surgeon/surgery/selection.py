@@ -9,8 +9,8 @@ everything in layers 10-19, `lm_head.weight` exactly that tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from functools import lru_cache
-from typing import Iterable
 
 
 @lru_cache(maxsize=256)
@@ -30,7 +30,9 @@ def _compile(pattern: str) -> re.Pattern:
         elif pattern[i] == "[" and "]" in pattern[i + 1 :]:
             end = pattern.index("]", i + 1)
             body = pattern[i + 1 : end]
-            out += "[" + ("^" + re.escape(body[1:]) if body.startswith("!") else re.escape(body).replace(r"\-", "-")) + "]"
+            out += (
+                "[" + ("^" + re.escape(body[1:]) if body.startswith("!") else re.escape(body).replace(r"\-", "-")) + "]"
+            )
             i = end + 1
         else:
             out += re.escape(pattern[i])

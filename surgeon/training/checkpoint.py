@@ -22,8 +22,9 @@ from ..errors import SurgeonError
 KEEP = 2  # the newest checkpoints kept; older ones are deleted after a successful save
 
 
-def save_checkpoint(folder: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, scheduler,
-                    extra: dict) -> Path:
+def save_checkpoint(
+    folder: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, scheduler, extra: dict
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"step-{step:06d}"
     with atomic_folder(target) as tmp:
@@ -82,8 +83,9 @@ def load_checkpoint(path: Path, trainable: dict[str, torch.Tensor], optimizer, s
     scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(tensors["rng.torch"])
     if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[f"rng.cuda.{i}"] for i in range(torch.cuda.device_count())
-                                      if f"rng.cuda.{i}" in tensors])
+        torch.cuda.set_rng_state_all(
+            [tensors[f"rng.cuda.{i}"] for i in range(torch.cuda.device_count()) if f"rng.cuda.{i}" in tensors]
+        )
     random.setstate(_decode_random_state(meta["python_rng"]))
     return meta
 

@@ -85,8 +85,9 @@ class _FusedDistill(torch.autograd.Function):
                 t_logits = _softcap_(w.teacher.copy_(w.mm), teacher.softcap)
                 kl = _dense_kl(logits, t_logits, config.temperature, grad, w.scratch)
             elif use_kl:
-                kl, topk_grad = _topk_kl(logits, teacher.indices[rows], teacher.logits[rows].float(),
-                                         teacher.logsumexp[rows].float())
+                kl, topk_grad = _topk_kl(
+                    logits, teacher.indices[rows], teacher.logits[rows].float(), teacher.logsumexp[rows].float()
+                )
                 grad.copy_(topk_grad)
             else:
                 kl = None
@@ -140,8 +141,14 @@ class _Workspace:
         def buffer(*shape, dtype=torch.float32):
             return torch.empty(*shape, dtype=dtype, device=device)
 
-        self.full = _Buffers(buffer(rows, vocab), buffer(rows, vocab), buffer(rows, vocab), buffer(rows, vocab),
-                             buffer(rows, vocab, dtype=md), buffer(rows, hidden, dtype=md))
+        self.full = _Buffers(
+            buffer(rows, vocab),
+            buffer(rows, vocab),
+            buffer(rows, vocab),
+            buffer(rows, vocab),
+            buffer(rows, vocab, dtype=md),
+            buffer(rows, hidden, dtype=md),
+        )
 
     def view(self, rows: int) -> _Buffers:
         return _Buffers(*(getattr(self.full, f)[:rows] for f in _Buffers.__dataclass_fields__))
@@ -213,7 +220,9 @@ def _add_ce(logits: torch.Tensor, targets: torch.Tensor, weight: float, grad: to
     return nll
 
 
-def _topk_kl(student_logits: torch.Tensor, indices: torch.Tensor, teacher_topk: torch.Tensor, teacher_lse: torch.Tensor):
+def _topk_kl(
+    student_logits: torch.Tensor, indices: torch.Tensor, teacher_topk: torch.Tensor, teacher_lse: torch.Tensor
+):
     """KL over the teacher's top-k tokens plus one bucket for the rest, and its logit gradient.
 
     With p, q the teacher and student probabilities, P and Q the mass outside the top k:
@@ -228,7 +237,9 @@ def _topk_kl(student_logits: torch.Tensor, indices: torch.Tensor, teacher_topk: 
     q_rest = (1 - q_k.sum(-1)).clamp_min(1e-12)
     tiny = torch.finfo(torch.float32).tiny
     kl = (p * (log_p - torch.log(q_k.clamp_min(tiny)))).sum(-1)
-    kl = kl + torch.where(p_rest > 0, p_rest * (torch.log(p_rest.clamp_min(tiny)) - torch.log(q_rest)), torch.zeros_like(p_rest))
+    kl = kl + torch.where(
+        p_rest > 0, p_rest * (torch.log(p_rest.clamp_min(tiny)) - torch.log(q_rest)), torch.zeros_like(p_rest)
+    )
     grad = q * (1 - p_rest / q_rest)[:, None]
     grad.scatter_(-1, indices, q_k - p)
     return kl, grad

@@ -44,10 +44,14 @@ class LoopResult:
 
     def summary(self) -> dict:
         return {
-            "steps": self.steps_done, "stopped_early": self.stopped_early, "best_step": self.best_step,
-            "seconds": round(self.seconds, 1), "tokens": self.tokens,
+            "steps": self.steps_done,
+            "stopped_early": self.stopped_early,
+            "best_step": self.best_step,
+            "seconds": round(self.seconds, 1),
+            "tokens": self.tokens,
             "tokens_per_second": round(self.tokens / self.seconds, 1) if self.seconds else None,
-            "shared_prefix_layers": self.shared_prefix, "precision": self.precision,
+            "shared_prefix_layers": self.shared_prefix,
+            "precision": self.precision,
         }
 
 
@@ -69,22 +73,36 @@ def make_accelerator(spec):
 
     precision = resolve_precision(spec.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     AcceleratorState._reset_state()  # a second heal step in this process may use another precision
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision])
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+    )
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
         # The fused loss reads the LM head's weight directly and checkpoints hold plain tensors;
         # both assume every process has whole parameters, which sharded training does not give.
-        raise SurgeonError(f"heal runs data-parallel (DDP) only, not {accelerator.distributed_type.name}: "
-                           "launch with recipes/accelerate/ddp.yaml")
+        raise SurgeonError(
+            f"heal runs data-parallel (DDP) only, not {accelerator.distributed_type.name}: "
+            "launch with recipes/accelerate/ddp.yaml"
+        )
     if spec.batch_size % accelerator.num_processes:
         raise SurgeonError(f"batch_size {spec.batch_size} does not divide over {accelerator.num_processes} processes")
     return accelerator, precision
 
 
-def drive(spec, accelerator, trainable: dict[str, torch.nn.Parameter], body: torch.nn.Module, *,
-          result: LoopResult, checkpoint_dir: Path, resume: bool, run_digest: str,
-          one_step: Callable[[torch.nn.Module, int], tuple[dict[str, float], int]],
-          evaluate: Callable[[torch.nn.Module], dict | None], metric: str, desc: str) -> LoopResult:
+def drive(
+    spec,
+    accelerator,
+    trainable: dict[str, torch.nn.Parameter],
+    body: torch.nn.Module,
+    *,
+    result: LoopResult,
+    checkpoint_dir: Path,
+    resume: bool,
+    run_digest: str,
+    one_step: Callable[[torch.nn.Module, int], tuple[dict[str, float], int]],
+    evaluate: Callable[[torch.nn.Module], dict | None],
+    metric: str,
+    desc: str,
+) -> LoopResult:
     """Run `spec.steps` optimizer steps. `one_step(body, step)` runs the step's micro-batches
     (forward and backward through `body` as accelerate prepared it) and returns its measures and
     target-token count; `evaluate(body)` returns held-out measures, in which `metric` is lower-better,
@@ -101,8 +119,9 @@ def drive(spec, accelerator, trainable: dict[str, torch.nn.Parameter], body: tor
             run.record(step, measures, tokens, elapsed)
             bar.update(1)
             report_step({"desc": desc, "step": step, "steps": spec.steps, **measures})
-            bar.set_postfix(**{k: f"{v:.3f}" for k, v in measures.items() if k in SHOWN},
-                            tok_s=f"{tokens / elapsed:.0f}")
+            bar.set_postfix(
+                **{k: f"{v:.3f}" for k, v in measures.items() if k in SHOWN}, tok_s=f"{tokens / elapsed:.0f}"
+            )
             if step % spec.eval.every == 0 or step == spec.steps:
                 if (measured := evaluate(body)) is not None:
                     bar.write(f"step {step}: held-out " + ", ".join(f"{k} {v:.4f}" for k, v in measured.items()))
@@ -126,8 +145,9 @@ class _Run:
     """One drive's state: the optimizer and schedule, early stopping with the best weights, and the
     checkpoints that carry all of it across an interruption."""
 
-    def __init__(self, spec, accelerator, trainable, result: LoopResult, checkpoint_dir: Path, run_digest: str,
-                 metric: str):
+    def __init__(
+        self, spec, accelerator, trainable, result: LoopResult, checkpoint_dir: Path, run_digest: str, metric: str
+    ):
         self.spec, self.accelerator, self.trainable, self.result = spec, accelerator, trainable, result
         self.checkpoint_dir, self.run_digest, self.metric = checkpoint_dir, run_digest, metric
         self.params = list(trainable.values())
@@ -188,10 +208,17 @@ class _Run:
         result.seconds += elapsed
         result.tokens += tokens
         if step % self.spec.log_every == 0 or step == self.spec.steps:
-            result.curve.append({"step": step, **{k: round(v, 5) for k, v in measures.items()},
-                                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": self.grad_norm,
-                                 "tokens": result.tokens, "tokens_per_second": round(tokens / elapsed, 1),
-                                 "step_seconds": round(elapsed, 3)})
+            result.curve.append(
+                {
+                    "step": step,
+                    **{k: round(v, 5) for k, v in measures.items()},
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": self.grad_norm,
+                    "tokens": result.tokens,
+                    "tokens_per_second": round(tokens / elapsed, 1),
+                    "step_seconds": round(elapsed, 3),
+                }
+            )
 
     def watch(self, step: int, measured: dict) -> None:
         """Early stopping on the held-out `metric`, keeping the best weights when patience is set."""
@@ -205,20 +232,29 @@ class _Run:
         early["bad"] += 1
         if patience and early["bad"] >= patience:
             self.result.stopped_early = True
-            log.info("held-out %s has not improved for %d evaluations: stopping at step %d",
-                     self.metric, early["bad"], step)
+            log.info(
+                "held-out %s has not improved for %d evaluations: stopping at step %d", self.metric, early["bad"], step
+            )
 
     def save(self, step: int) -> None:
         if not self.accelerator.is_main_process:
             return
         result = self.result
-        extra = {"run_digest": self.run_digest, "early_stop": self.early, "curve": result.curve,
-                 "evals": result.evals, "tokens": result.tokens, "seconds": result.seconds}
+        extra = {
+            "run_digest": self.run_digest,
+            "early_stop": self.early,
+            "curve": result.curve,
+            "evals": result.evals,
+            "tokens": result.tokens,
+            "seconds": result.seconds,
+        }
         path = save_checkpoint(self.checkpoint_dir, step, self.trainable, self.optimizer, self.scheduler, extra)
         if self.best_tensors is not None:
             from safetensors.torch import save_file
 
-            save_file({f"best.{k}": v.contiguous() for k, v in self.best_tensors.items()}, str(path / "best.safetensors"))
+            save_file(
+                {f"best.{k}": v.contiguous() for k, v in self.best_tensors.items()}, str(path / "best.safetensors")
+            )
 
     def keep_best(self, step: int) -> None:
         """Put back the best held-out weights (when they are not the last), and record where it ended."""
@@ -227,9 +263,13 @@ class _Run:
             with torch.no_grad():
                 for name, param in self.trainable.items():
                     param.copy_(self.best_tensors[name])
-            log.log(logging.WARNING if early["best_step"] == 0 else logging.INFO,
-                    "keeping the weights of step %s (best held-out %s %.4f)", early["best_step"], self.metric,
-                    early["best"])
+            log.log(
+                logging.WARNING if early["best_step"] == 0 else logging.INFO,
+                "keeping the weights of step %s (best held-out %s %.4f)",
+                early["best_step"],
+                self.metric,
+                early["best"],
+            )
         self.result.steps_done, self.result.best_step = step, early["best_step"]
 
     def _copy(self) -> dict[str, torch.Tensor]:

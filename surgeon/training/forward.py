@@ -16,7 +16,6 @@ import torch
 from ..surgery.capture import feeding, on_input, on_output
 
 
-
 def decoder_layers(model) -> torch.nn.ModuleList:
     return model.get_base_model().model.layers if hasattr(model, "get_base_model") else model.model.layers
 
@@ -52,7 +51,7 @@ class TeacherOutput:
 def teacher_forward(teacher, ids: torch.Tensor, prefix: int, capture: list[int]) -> TeacherOutput:
     layers = decoder_layers(teacher)
     taken: dict = {}
-    store = lambda key, hidden, *_: taken.__setitem__(key, hidden)  # noqa: E731
+    store = lambda key, hidden, *_: taken.__setitem__(key, hidden)
     entry = {"boundary": layers[prefix]} if prefix else {}
     with on_input(entry, store), on_output({index: layers[index] for index in capture}, store):
         final = teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state
@@ -108,4 +107,3 @@ def head_weight(model) -> torch.Tensor:
 
 def logit_softcap(model) -> float | None:
     return getattr(model.config, "final_logit_softcapping", None)
-

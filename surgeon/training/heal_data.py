@@ -32,13 +32,19 @@ class SyntheticImages(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     examples: int = Field(gt=0, le=1_000_000)
-    kinds: list[Literal["colour", "shape", "count", "position", "word"]] = ["colour", "shape", "count", "position", "word"]
+    kinds: list[Literal["colour", "shape", "count", "position", "word"]] = [
+        "colour",
+        "shape",
+        "count",
+        "position",
+        "word",
+    ]
     seed: int = 0
     split: Literal["train", "heldout"] = "train"
 
 
 class MnistDigits(BaseModel):
-    """"Which digit is this?" on a CSV of MNIST rows (784 pixels, then the label). `split`: `train`
+    """ "Which digit is this?" on a CSV of MNIST rows (784 pixels, then the label). `split`: `train`
     (per digit, the first 80% of its rows), `heldout` (the last 20%), or `rows` ("0-3999")."""
 
     model_config = ConfigDict(extra="forbid")
@@ -103,8 +109,12 @@ def check_sources(sources: list[DataSource], base_dir: Path, at: tuple = ("data"
     files: dict[int, list[Path]] = {}
     for index, source in enumerate(sources):
         where = (*at, index)
-        patterns = {"text": source.text, "jsonl": source.jsonl, "dataset": source.data_files,
-                    "mnist": source.mnist.path if source.mnist else None}.get(source.kind)
+        patterns = {
+            "text": source.text,
+            "jsonl": source.jsonl,
+            "dataset": source.data_files,
+            "mnist": source.mnist.path if source.mnist else None,
+        }.get(source.kind)
         if patterns is None:
             continue
         field = {"text": "text", "jsonl": "jsonl", "dataset": "data_files", "mnist": "mnist"}[source.kind]

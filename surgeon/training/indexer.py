@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..text import TextData
 from ..modeling.sparse_attention import mean_indexer_loss, sparse_modules
+from ..text import TextData
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .loop import EvalSpec, OptimSpec
 
@@ -78,8 +78,16 @@ class _IndexerBody(torch.nn.Module):
         return mean_indexer_loss(sparse_modules(self.model))
 
 
-def warm_up(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, spec: WarmupSpec, *,
-            checkpoint_dir: Path, resume: bool, run_digest: str) -> LoopResult:
+def warm_up(
+    model,
+    train_ids: torch.Tensor,
+    heldout_ids: torch.Tensor,
+    spec: WarmupSpec,
+    *,
+    checkpoint_dir: Path,
+    resume: bool,
+    run_digest: str,
+) -> LoopResult:
     accelerator, precision = make_accelerator(spec)
     trainable = indexer_parameters(model)
     for param in model.parameters():
@@ -103,14 +111,25 @@ def warm_up(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, spec: War
     def evaluate(body):
         if not heldout_ids.shape[0]:
             return None
-        losses = [body(heldout_ids[i:i + 1].to(accelerator.device)).item() for i in range(heldout_ids.shape[0])]
+        losses = [body(heldout_ids[i : i + 1].to(accelerator.device)).item() for i in range(heldout_ids.shape[0])]
         return {"indexer_kl": sum(losses) / len(losses)}
 
     try:
         with indexer_mode(model, dense=True, loss=True):
-            drive(spec, accelerator, trainable, _IndexerBody(model), result=result, checkpoint_dir=checkpoint_dir,
-                  resume=resume, run_digest=run_digest, one_step=one_step, evaluate=evaluate,
-                  metric="indexer_kl", desc="indexer warm-up")
+            drive(
+                spec,
+                accelerator,
+                trainable,
+                _IndexerBody(model),
+                result=result,
+                checkpoint_dir=checkpoint_dir,
+                resume=resume,
+                run_digest=run_digest,
+                one_step=one_step,
+                evaluate=evaluate,
+                metric="indexer_kl",
+                desc="indexer warm-up",
+            )
     finally:
         model.eval()
         for param in trainable.values():

@@ -16,11 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..measure.metrics import compare_to_parent, parent_reference
 from ..modeling.sparse_attention import mean_indexer_loss, sparse_modules
-from .text_set import TrainSet
 from .distill_loss import DenseTeacher, LossConfig, distill_loss
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .forward import StudentBody, head_weight, logit_softcap, shared_prefix_length, teacher_forward
 from .teacher_cache import TeacherCache
+from .text_set import TrainSet
 from .trainable import first_trainable_layer
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,20 @@ class LoopSpec(BaseModel):
     seed: int = 0
 
 
-def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: TrainSet, spec: LoopSpec, *,
-          teacher_fingerprint: str, teacher_is_parent: bool, layer_origin: list[int | None],
-          checkpoint_dir: Path, resume: bool, run_digest: str) -> LoopResult:
+def train(
+    student,
+    trainable: dict[str, torch.nn.Parameter],
+    teacher,
+    data: TrainSet,
+    spec: LoopSpec,
+    *,
+    teacher_fingerprint: str,
+    teacher_is_parent: bool,
+    layer_origin: list[int | None],
+    checkpoint_dir: Path,
+    resume: bool,
+    run_digest: str,
+) -> LoopResult:
     accelerator, precision = make_accelerator(spec)
     device = accelerator.device
     teacher.to(device).eval()
@@ -101,7 +112,9 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
     pairs = _hidden_pairs(layer_origin, first, spec.loss.hidden, teacher_is_parent)
     cache = TeacherCache(teacher, teacher_fingerprint, data.digest(), spec.teacher_cache.top_k) if use_cache else None
     loss_config = LossConfig(
-        temperature=spec.loss.temperature, kl_weight=spec.loss.kl, ce_weight=spec.loss.ce,
+        temperature=spec.loss.temperature,
+        kl_weight=spec.loss.kl,
+        ce_weight=spec.loss.ce,
         matmul_dtype=torch.bfloat16 if precision == "bf16" else torch.float16 if precision == "fp16" else torch.float32,
     )
     reference = None
@@ -121,9 +134,10 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
             ids = data.train_ids[windows].to(device)
             mask = data.train_mask[windows].to(device)
             sync = micro == spec.grad_accum - 1
-            with (accelerator.no_sync(body) if not sync else nullcontext()), accelerator.autocast():
-                loss, parts = _micro_step(body, student, teacher, ids, mask, windows, prefix, pairs, cache,
-                                          loss_config, spec.loss.hidden)
+            with accelerator.no_sync(body) if not sync else nullcontext(), accelerator.autocast():
+                loss, parts = _micro_step(
+                    body, student, teacher, ids, mask, windows, prefix, pairs, cache, loss_config, spec.loss.hidden
+                )
                 if indexers:
                     index_loss = mean_indexer_loss(indexers)
                     loss = loss + index_loss
@@ -137,10 +151,28 @@ def train(student, trainable: dict[str, torch.nn.Parameter], teacher, data: Trai
     def evaluate(_body):
         return None if reference is None else {"kl_mean": _heldout_kl(student, data, reference)}
 
-    drive(spec, accelerator, trainable, StudentBody(student), result=result, checkpoint_dir=checkpoint_dir,
-          resume=resume, run_digest=run_digest, one_step=one_step, evaluate=evaluate, metric="kl_mean", desc="heal")
-    log.info("healed %d steps: %s target tokens at %.0f tokens/s (%s, first %d layers shared with the teacher)",
-             result.steps_done, f"{result.tokens:,}", result.tokens / max(result.seconds, 1e-9), precision, prefix)
+    drive(
+        spec,
+        accelerator,
+        trainable,
+        StudentBody(student),
+        result=result,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        run_digest=run_digest,
+        one_step=one_step,
+        evaluate=evaluate,
+        metric="kl_mean",
+        desc="heal",
+    )
+    log.info(
+        "healed %d steps: %s target tokens at %.0f tokens/s (%s, first %d layers shared with the teacher)",
+        result.steps_done,
+        f"{result.tokens:,}",
+        result.tokens / max(result.seconds, 1e-9),
+        precision,
+        prefix,
+    )
     return result
 
 
@@ -160,8 +192,15 @@ def _micro_step(body, student, teacher, ids, mask, windows, prefix, pairs, cache
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]
     teacher_targets = dense if cache is None else cache.targets(windows.tolist(), ids, mask)
-    loss, stats = distill_loss(hidden[selected], head_weight(student), teacher_targets, targets[selected],
-                               torch.ones(int(selected.sum()), device=ids.device), config, logit_softcap(student))
+    loss, stats = distill_loss(
+        hidden[selected],
+        head_weight(student),
+        teacher_targets,
+        targets[selected],
+        torch.ones(int(selected.sum()), device=ids.device),
+        config,
+        logit_softcap(student),
+    )
     parts = {"kl": stats["kl"], "ce": stats["ce"] if config.ce_weight else 0.0}
     if pairs and hidden_weight:
         terms = []

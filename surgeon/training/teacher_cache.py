@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..surgery.architecture import output_logits
 from ..checkpoints.atomic import atomic_file
 from ..checkpoints.cache import cache_dir
+from ..surgery.architecture import output_logits
 from .distill_loss import TopKTeacher
 
 
@@ -50,5 +50,11 @@ class TeacherCache:
         logits = output_logits(self.teacher, hidden)
         values, indices = logits.topk(self.top_k, dim=-1)
         with atomic_file(path) as tmp:
-            save_file({"indices": indices.int().cpu(), "logits": values.float().cpu(),
-                       "logsumexp": logits.logsumexp(-1).float().cpu()}, str(tmp))
+            save_file(
+                {
+                    "indices": indices.int().cpu(),
+                    "logits": values.float().cpu(),
+                    "logsumexp": logits.logsumexp(-1).float().cpu(),
+                },
+                str(tmp),
+            )

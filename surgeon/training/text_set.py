@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from ..chat import Document, render_chat
 from ..checkpoints.atomic import atomic_folder
 from ..checkpoints.cache import cache_dir
-from ..chat import Document, render_chat
+from ..errors import DataError
 from ..text import read_jsonl
 from .heal_data import DataSource, HealData, SelfDistill
-from ..errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,17 @@ class TrainSet:
         return h.hexdigest()[:16]
 
 
-def build_train_set(data: HealData, files: dict[int, list[Path]], tokenizer, teacher=None, teacher_fingerprint="") -> TrainSet:
+def build_train_set(
+    data: HealData, files: dict[int, list[Path]], tokenizer, teacher=None, teacher_fingerprint=""
+) -> TrainSet:
     windows, masks = [], []
     for index, source in enumerate(data.sources):
         docs = _documents(source, files.get(index, []), tokenizer, data.assistant_only, teacher, teacher_fingerprint)
         ids, mask = _pack(docs, tokenizer, data.window, source.tokens)
         if ids.shape[0] == 0:
-            raise DataError(f"data.sources[{index}] ({source.kind}) gives fewer tokens than one window of {data.window}")
+            raise DataError(
+                f"data.sources[{index}] ({source.kind}) gives fewer tokens than one window of {data.window}"
+            )
         windows.append(ids)
         masks.append(mask)
     ids, mask = torch.cat(windows), torch.cat(masks)
@@ -65,8 +69,13 @@ def build_train_set(data: HealData, files: dict[int, list[Path]], tokenizer, tea
     if data.tokens is not None:
         keep = max(1, data.tokens // data.window)
         train_ids, train_mask = train_ids[:keep], train_mask[:keep]
-    log.info("heal data: %d training windows of %d (%d target tokens), %d held out",
-             train_ids.shape[0], data.window, int(train_mask.sum()), held)
+    log.info(
+        "heal data: %d training windows of %d (%d target tokens), %d held out",
+        train_ids.shape[0],
+        data.window,
+        int(train_mask.sum()),
+        held,
+    )
     return TrainSet(train_ids, train_mask, ids[:held], mask[:held])
 
 
@@ -98,14 +107,18 @@ def _pack(docs: list[Document], tokenizer, window: int, cap: int | None) -> tupl
     return ids, mask
 
 
-def _documents(source: DataSource, files: list[Path], tokenizer, assistant_only: bool, teacher, fingerprint: str) -> list[Document]:
+def _documents(
+    source: DataSource, files: list[Path], tokenizer, assistant_only: bool, teacher, fingerprint: str
+) -> list[Document]:
     if source.kind == "text":
         return [_plain(tokenizer, path.read_text(encoding="utf-8", errors="replace")) for path in files]
     if source.kind == "jsonl":
         return [_record(tokenizer, record, assistant_only, where) for record, where, _ in read_jsonl(files)]
     if source.kind == "dataset":
-        return [_record(tokenizer, record, assistant_only, f"{source.dataset} row {i}", source.field)
-                for i, record in enumerate(_dataset_records(source, files))]
+        return [
+            _record(tokenizer, record, assistant_only, f"{source.dataset} row {i}", source.field)
+            for i, record in enumerate(_dataset_records(source, files))
+        ]
     chats = self_distill_chats(source.self_distill, tokenizer, teacher, fingerprint)
     return [render_chat(tokenizer, messages, assistant_only) for messages in chats]
 
@@ -159,19 +172,25 @@ def _generate(spec: SelfDistill, tokenizer, teacher) -> list[list[dict]]:
     try:
         for start in tqdm(range(0, len(prompts), batch), desc="self-distill", unit="batch", leave=False):
             group = prompts[start : start + batch]
-            conversations = [([{"role": "system", "content": spec.system}] if spec.system else [])
-                             + [{"role": "user", "content": p}] for p in group]
-            texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+            conversations = [
+                ([{"role": "system", "content": spec.system}] if spec.system else []) + [{"role": "user", "content": p}]
+                for p in group
+            ]
+            texts = [
+                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations
+            ]
             inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            sampling = {"do_sample": True, "temperature": spec.temperature} if spec.temperature > 0 else {"do_sample": False}
+            sampling = (
+                {"do_sample": True, "temperature": spec.temperature} if spec.temperature > 0 else {"do_sample": False}
+            )
             if spec.temperature > 0:
                 torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
-            out = teacher.generate(**inputs, max_new_tokens=spec.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                   **sampling)
-            for conversation, row in zip(conversations, out[:, inputs["input_ids"].shape[1]:], strict=True):
+            out = teacher.generate(
+                **inputs, max_new_tokens=spec.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+            )
+            for conversation, row in zip(conversations, out[:, inputs["input_ids"].shape[1] :], strict=True):
                 reply = tokenizer.decode(row, skip_special_tokens=True).strip()
                 chats.append(conversation + [{"role": "assistant", "content": reply}])
     finally:
         tokenizer.padding_side = old_side
     return chats
-

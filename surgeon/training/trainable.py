@@ -122,8 +122,14 @@ def _with_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     layers = _lora_layers(lora, model.config.num_hidden_layers, ())
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora.target_modules, layers_to_transform=layers, bias="none")
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        layers_to_transform=layers,
+        bias="none",
+    )
     selected = {n for n, p in model.named_parameters() if p.requires_grad}
     model = get_peft_model(model, config)
     for name, param in model.named_parameters():  # peft froze the base: re-open our globs

@@ -82,7 +82,7 @@ class Batches:
         dtype = self.vlm.projector_dtype
         try:
             for start in tqdm(range(0, len(loaders), 32), desc=f"tower features ({split})", unit="batch", leave=False):
-                pixels = self.processor.pixels([load() for load in loaders[start:start + 32]]).to(self.device, dtype)
+                pixels = self.processor.pixels([load() for load in loaders[start : start + 32]]).to(self.device, dtype)
                 if cnn:
                     pixels = pixels.contiguous(memory_format=torch.channels_last)
                 # Kept in bf16: half of fp32's memory (5,000 images of 64 x 1280 take 0.8 GB), and
@@ -99,30 +99,50 @@ class Batches:
         ids = torch.full((len(items), length), self.pad_id, dtype=torch.long)
         attention = torch.zeros(len(items), length, dtype=torch.long)
         for row, example in enumerate(items):
-            ids[row, :len(example.ids)] = torch.tensor(example.ids)
-            attention[row, :len(example.ids)] = 1
-        out = {"input_ids": ids.to(self.device), "attention_mask": attention.to(self.device),
-               "targets": shifted_targets(ids, [e.mask for e in items]).to(self.device)}
+            ids[row, : len(example.ids)] = torch.tensor(example.ids)
+            attention[row, : len(example.ids)] = 1
+        out = {
+            "input_ids": ids.to(self.device),
+            "attention_mask": attention.to(self.device),
+            "targets": shifted_targets(ids, [e.mask for e in items]).to(self.device),
+        }
         if split in self.cached:
             features, spans = self.cached[split]
             rows = [r for i in indices for r in range(*spans[i])]
             out["tower_tokens"] = features[rows].to(self.device) if rows else None
         else:
             loaders = [load for e in items for load in e.images]
-            out["pixel_values"] = self.processor.pixels([load() for load in loaders]).to(self.device) if loaders else None
+            out["pixel_values"] = (
+                self.processor.pixels([load() for load in loaders]).to(self.device) if loaders else None
+            )
         return out
 
 
-def train_vision(vlm, trainable: dict[str, torch.nn.Parameter], data, processor, spec: LoopSpec, *,
-                 checkpoint_dir, resume: bool, run_digest: str) -> LoopResult:
+def train_vision(
+    vlm,
+    trainable: dict[str, torch.nn.Parameter],
+    data,
+    processor,
+    spec: LoopSpec,
+    *,
+    checkpoint_dir,
+    resume: bool,
+    run_digest: str,
+) -> LoopResult:
     accelerator, precision = make_accelerator(spec)
     device = accelerator.device
     vlm.to(device)
     result = LoopResult(precision=precision)
     tower_trains = any(name.startswith("vision_tower.") or ".vision_tower." in name for name in trainable)
     pad_id = processor.tokenizer.pad_token_id if processor.tokenizer.pad_token_id is not None else 0
-    batches = Batches(vlm, processor, {"train": data.train, "heldout": data.heldout}, pad_id,
-                      cache_tower=not tower_trains, device=device)
+    batches = Batches(
+        vlm,
+        processor,
+        {"train": data.train, "heldout": data.heldout},
+        pad_id,
+        cache_tower=not tower_trains,
+        device=device,
+    )
 
     def one_step(body, step: int):
         totals, tokens = {"loss": 0.0, "accuracy": 0.0}, 0
@@ -130,7 +150,7 @@ def train_vision(vlm, trainable: dict[str, torch.nn.Parameter], data, processor,
             indices = batch_indices(step, micro, spec, len(data.train), accelerator).tolist()
             inputs = batches.batch("train", indices)
             sync = micro == spec.grad_accum - 1
-            with (accelerator.no_sync(body) if not sync else nullcontext()), accelerator.autocast():
+            with accelerator.no_sync(body) if not sync else nullcontext(), accelerator.autocast():
                 loss, correct, _ = body(**inputs)
                 accelerator.backward(loss / spec.grad_accum)
             totals["loss"] += loss.item() / spec.grad_accum
@@ -141,10 +161,27 @@ def train_vision(vlm, trainable: dict[str, torch.nn.Parameter], data, processor,
     def evaluate(body):
         return _heldout(body, batches, accelerator) if data.heldout else None
 
-    drive(spec, accelerator, trainable, AnswerLoss(vlm), result=result, checkpoint_dir=checkpoint_dir,
-          resume=resume, run_digest=run_digest, one_step=one_step, evaluate=evaluate, metric="loss", desc="train")
-    log.info("trained %d steps on %s answer tokens in %.0f s (%s)", result.steps_done, f"{result.tokens:,}",
-             result.seconds, precision)
+    drive(
+        spec,
+        accelerator,
+        trainable,
+        AnswerLoss(vlm),
+        result=result,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        run_digest=run_digest,
+        one_step=one_step,
+        evaluate=evaluate,
+        metric="loss",
+        desc="train",
+    )
+    log.info(
+        "trained %d steps on %s answer tokens in %.0f s (%s)",
+        result.steps_done,
+        f"{result.tokens:,}",
+        result.seconds,
+        precision,
+    )
     return result
 
 

@@ -33,7 +33,7 @@ def tower_outputs(vlm, processor, examples: list[VisionExample], batch: int = 32
     per_example: list[list[torch.Tensor]] = [[] for _ in examples]
     dtype = vlm.projector_dtype
     for start in tqdm(range(0, len(loaders), batch), desc="tower", unit="batch", leave=False):
-        chunk = loaders[start:start + batch]
+        chunk = loaders[start : start + batch]
         pixels = processor.pixels([load() for _, load in chunk]).to(dtype)
         with _autocast(vlm):
             tokens = vlm.vision_tower(pixels)
@@ -44,9 +44,15 @@ def tower_outputs(vlm, processor, examples: list[VisionExample], batch: int = 32
 
 
 @torch.no_grad()
-def greedy_answers(vlm, tokenizer, examples: list[VisionExample], tower: list[torch.Tensor],
-                   pairing: list[int] | None = None, batch: int = 16,
-                   max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
+def greedy_answers(
+    vlm,
+    tokenizer,
+    examples: list[VisionExample],
+    tower: list[torch.Tensor],
+    pairing: list[int] | None = None,
+    batch: int = 16,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+) -> list[str]:
     """The model's answer to each example's question, about example pairing[i]'s images."""
     pairing = pairing or list(range(len(examples)))
     prompts = [_prompt_ids(e) for e in examples]
@@ -56,12 +62,16 @@ def greedy_answers(vlm, tokenizer, examples: list[VisionExample], tower: list[to
     answers = [""] * len(examples)
     stops = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
     lm = vlm.language_model
-    work = [(length, members[s:s + batch]) for length, members in groups.items() for s in range(0, len(members), batch)]
+    work = [
+        (length, members[s : s + batch]) for length, members in groups.items() for s in range(0, len(members), batch)
+    ]
     for _, members in tqdm(work, desc="answers", unit="batch", leave=False):
         ids = torch.tensor([prompts[i] for i in members])
         tokens = [tower[pairing[i]] for i in members]
-        if any(t.shape[0] != examples[i].ids.count(vlm.config.image_token_id) // vlm.config.image_seq_length
-               for t, i in zip(tokens, members)):
+        if any(
+            t.shape[0] != examples[i].ids.count(vlm.config.image_token_id) // vlm.config.image_seq_length
+            for t, i in zip(tokens, members)
+        ):
             raise ValueError("shuffled pairing must keep each question's image count")
         with _autocast(vlm):
             embeds = vlm.embed(ids, tower_tokens=torch.cat(tokens) if tokens else None)
@@ -100,9 +110,13 @@ def score(examples: list[VisionExample], answers: list[str]) -> dict:
         by_kind_answers[example.kind][normalise(example.answer)] += 1
     n = sum(total.values())
     chance = sum(c.most_common(1)[0][1] for c in by_kind_answers.values()) / max(n, 1)
-    return {"accuracy": sum(right.values()) / max(n, 1), "examples": n, "chance": chance,
-            **{f"accuracy_{kind}": right[kind] / total[kind] for kind in sorted(total)},
-            **{f"examples_{kind}": total[kind] for kind in sorted(total)}}
+    return {
+        "accuracy": sum(right.values()) / max(n, 1),
+        "examples": n,
+        "chance": chance,
+        **{f"accuracy_{kind}": right[kind] / total[kind] for kind in sorted(total)},
+        **{f"examples_{kind}": total[kind] for kind in sorted(total)},
+    }
 
 
 def _prompt_ids(example: VisionExample) -> list[int]:
@@ -119,5 +133,6 @@ def _autocast(vlm):
         from contextlib import nullcontext
 
         return nullcontext()
-    return torch.autocast(next(vlm.parameters()).device.type,
-                          dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(
+        next(vlm.parameters()).device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16
+    )

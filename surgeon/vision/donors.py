@@ -22,8 +22,10 @@ from ..errors import SourceError
 from .towers import timm_tower, transformers_tower
 
 # Defaults when a folder has no preprocessor_config.json (the families' published statistics).
-FAMILY_STATS = {"clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
-                "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
+FAMILY_STATS = {
+    "clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+}
 
 
 @dataclass
@@ -67,8 +69,10 @@ def resolve_checkpoint(text: str, base_dir: Path) -> Path:
         root = Path(next(iter(spec.submodule_search_locations)))
         files = sorted(p for suffix in ("*.pth", "*.pt", "*.safetensors") for p in root.rglob(suffix))
         if len(files) != 1:
-            raise SourceError(f"package {package} holds {len(files)} weight files ({[f.name for f in files]}); "
-                              "give the file's path instead")
+            raise SourceError(
+                f"package {package} holds {len(files)} weight files ({[f.name for f in files]}); "
+                "give the file's path instead"
+            )
         return files[0]
     path = Path(text).expanduser()
     path = path if path.is_absolute() else base_dir / path
@@ -77,17 +81,30 @@ def resolve_checkpoint(text: str, base_dir: Path) -> Path:
     return path
 
 
-def timm_donor(architecture: str, checkpoint: Path | None, key_map: dict[str, str] | None,
-               image_size: int | None, mean=None, std=None, load: bool = True) -> Donor:
+def timm_donor(
+    architecture: str,
+    checkpoint: Path | None,
+    key_map: dict[str, str] | None,
+    image_size: int | None,
+    mean=None,
+    std=None,
+    load: bool = True,
+) -> Donor:
     """`load=False` (plan) builds the architecture only: the token layout needs no weights."""
     import timm.data
 
     tower = timm_tower(architecture, checkpoint if load else None, key_map, image_size)
     data = timm.data.resolve_data_config({}, model=tower.model)
     size = image_size or data["input_size"][-1]
-    return Donor(tower=tower, kind="timm", image_size=size, mean=tuple(mean or data["mean"]),
-                 std=tuple(std or data["std"]), timm_architecture=architecture,
-                 description=f"timm {architecture}" + (f" from {checkpoint.name}" if checkpoint else " (random init)"))
+    return Donor(
+        tower=tower,
+        kind="timm",
+        image_size=size,
+        mean=tuple(mean or data["mean"]),
+        std=tuple(std or data["std"]),
+        timm_architecture=architecture,
+        description=f"timm {architecture}" + (f" from {checkpoint.name}" if checkpoint else " (random init)"),
+    )
 
 
 def read_vision_folder(folder: Path) -> tuple[str, object]:
@@ -102,12 +119,15 @@ def read_vision_folder(folder: Path) -> tuple[str, object]:
     vision = getattr(config, "vision_config", None)
     if families.is_llava(config) and vision is not None and families.vision_tower_kind(vision.model_type):
         return families.LLAVA, config
-    raise SourceError(f"{folder}: a {config.model_type!r} model; expected CLIP, SigLIP or a LLaVA-style VLM "
-                      "with a CLIP/SigLIP vision tower")
+    raise SourceError(
+        f"{folder}: a {config.model_type!r} model; expected CLIP, SigLIP or a LLaVA-style VLM "
+        "with a CLIP/SigLIP vision tower"
+    )
 
 
-def transformers_donor(folder: Path, layer: int | None, drop_cls: bool | None, take_projector: bool,
-                       mean=None, std=None, load: bool = True) -> Donor:
+def transformers_donor(
+    folder: Path, layer: int | None, drop_cls: bool | None, take_projector: bool, mean=None, std=None, load: bool = True
+) -> Donor:
     """`load=False` (plan) builds the tower from its config on the meta device: no weights read."""
     from transformers import AutoModel, CLIPVisionModel, LlavaForConditionalGeneration, SiglipVisionModel
 
@@ -142,11 +162,19 @@ def transformers_donor(folder: Path, layer: int | None, drop_cls: bool | None, t
     model.eval()
     tower = transformers_tower(model, -1 if layer is None else layer, True if drop_cls is None else drop_cls)
     stats = _processor_stats(folder) or FAMILY_STATS[family]
-    return Donor(tower=tower, kind=family, image_size=model.config.image_size, mean=tuple(mean or stats[0]),
-                 std=tuple(std or stats[1]), vision_config=model.config, layer=-1 if layer is None else layer,
-                 drop_cls=tower.drop_cls, projector_state=projector_state,
-                 description=f"{family} vision tower from {folder.name} (layer {-1 if layer is None else layer}, "
-                             f"{'CLS dropped' if tower.drop_cls else 'all tokens'})")
+    return Donor(
+        tower=tower,
+        kind=family,
+        image_size=model.config.image_size,
+        mean=tuple(mean or stats[0]),
+        std=tuple(std or stats[1]),
+        vision_config=model.config,
+        layer=-1 if layer is None else layer,
+        drop_cls=tower.drop_cls,
+        projector_state=projector_state,
+        description=f"{family} vision tower from {folder.name} (layer {-1 if layer is None else layer}, "
+        f"{'CLS dropped' if tower.drop_cls else 'all tokens'})",
+    )
 
 
 def _processor_stats(folder: Path):

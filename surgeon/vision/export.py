@@ -77,9 +77,15 @@ def hf_processor(config, tokenizer):
     from transformers.image_utils import PILImageResampling
 
     size = {"height": config.image_size, "width": config.image_size}
-    images = CLIPImageProcessor(size=size, crop_size=size, do_center_crop=False, resample=PILImageResampling.BICUBIC,
-                                image_mean=list(config.image_mean), image_std=list(config.image_std),
-                                do_convert_rgb=True)
+    images = CLIPImageProcessor(
+        size=size,
+        crop_size=size,
+        do_center_crop=False,
+        resample=PILImageResampling.BICUBIC,
+        image_mean=list(config.image_mean),
+        image_std=list(config.image_std),
+        do_convert_rgb=True,
+    )
     tokens = config.image_seq_length
     side = math.isqrt(tokens)
     # LlavaProcessor writes (size // patch)^2 + extra placeholders per image.
@@ -87,8 +93,17 @@ def hf_processor(config, tokenizer):
         patch, extra = config.image_size // side, 0
     else:
         side = math.isqrt(tokens - 1) if tokens > 1 else 0
-        patch, extra = (config.image_size // side, tokens - side * side) if side and config.image_size % side == 0 \
+        patch, extra = (
+            (config.image_size // side, tokens - side * side)
+            if side and config.image_size % side == 0
             else (config.image_size, tokens - 1)
-    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch,
-                          vision_feature_select_strategy="full", num_additional_image_tokens=extra,
-                          chat_template=tokenizer.chat_template, image_token=config.image_token)
+        )
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=extra,
+        chat_template=tokenizer.chat_template,
+        image_token=config.image_token,
+    )

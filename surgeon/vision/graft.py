@@ -43,24 +43,41 @@ def image_chat_template(template: str, image_token: str = IMAGE_TOKEN) -> str:
     return IMAGE_PARTS_PREAMBLE.replace("@@IMAGE@@", image_token) + template
 
 
-def assemble(lm, tokenizer, donor: Donor, projector: str, pixel_shuffle_factor: int = 2,
-             image_token: str = IMAGE_TOKEN, seed: int = 0):
+def assemble(
+    lm,
+    tokenizer,
+    donor: Donor,
+    projector: str,
+    pixel_shuffle_factor: int = 2,
+    image_token: str = IMAGE_TOKEN,
+    seed: int = 0,
+):
     """(VLM, tokenizer with the image token and an image-aware chat template)."""
     tokenizer = copy.deepcopy(tokenizer)  # the parent's tokenizer stays as it was
     image_token_id = add_image_token(tokenizer, image_token)
     if image_token_id < lm.config.vocab_size:
         # An id inside the vocabulary would have a trained embedding and a logit of its own.
-        raise ValueError(f"{image_token!r} is already token {image_token_id} of the LM's vocabulary; "
-                         "choose another image_token")
+        raise ValueError(
+            f"{image_token!r} is already token {image_token_id} of the LM's vocabulary; choose another image_token"
+        )
     if tokenizer.chat_template:
         tokenizer.chat_template = image_chat_template(tokenizer.chat_template, image_token)
     config = SurgeonVLMConfig(
-        text_config=lm.config, vision_config=donor.vision_config, timm_architecture=donor.timm_architecture,
-        image_size=donor.image_size, vision_hidden_size=donor.hidden_size,
-        vision_grid=list(donor.grid) if donor.grid else None, vision_tokens=donor.tokens,
-        vision_layer=donor.layer, drop_cls=donor.drop_cls, projector=projector,
-        pixel_shuffle_factor=pixel_shuffle_factor, image_token_id=image_token_id, image_token=image_token,
-        image_mean=list(donor.mean), image_std=list(donor.std),
+        text_config=lm.config,
+        vision_config=donor.vision_config,
+        timm_architecture=donor.timm_architecture,
+        image_size=donor.image_size,
+        vision_hidden_size=donor.hidden_size,
+        vision_grid=list(donor.grid) if donor.grid else None,
+        vision_tokens=donor.tokens,
+        vision_layer=donor.layer,
+        drop_cls=donor.drop_cls,
+        projector=projector,
+        pixel_shuffle_factor=pixel_shuffle_factor,
+        image_token_id=image_token_id,
+        image_token=image_token,
+        image_mean=list(donor.mean),
+        image_std=list(donor.std),
     )
     with torch.device("meta"):  # the parts below replace everything; nothing is allocated twice
         vlm = SurgeonVLMForConditionalGeneration(config)
@@ -69,8 +86,9 @@ def assemble(lm, tokenizer, donor: Donor, projector: str, pixel_shuffle_factor: 
     generator = torch.random.fork_rng()
     with generator:
         torch.manual_seed(seed)
-        vlm.projector = Projector(projector, donor.hidden_size, lm.config.hidden_size,
-                                  grid=donor.grid, factor=pixel_shuffle_factor).to(lm.dtype)
+        vlm.projector = Projector(
+            projector, donor.hidden_size, lm.config.hidden_size, grid=donor.grid, factor=pixel_shuffle_factor
+        ).to(lm.dtype)
     if donor.projector_state is not None:
         load_llava_projector(vlm.projector, donor.projector_state)
     vlm.generation_config = copy.deepcopy(lm.generation_config)
@@ -87,9 +105,11 @@ def load_llava_projector(projector: Projector, state: dict[str, torch.Tensor]) -
     ours = projector.state_dict()
     for name, tensor in mapped.items():
         if name not in ours or ours[name].shape != tensor.shape:
-            raise ValueError(f"the donor projector's {name} {tuple(tensor.shape)} does not fit "
-                             f"({tuple(ours[name].shape) if name in ours else 'no such tensor'}): "
-                             "its LM width must equal the patient's hidden size")
+            raise ValueError(
+                f"the donor projector's {name} {tuple(tensor.shape)} does not fit "
+                f"({tuple(ours[name].shape) if name in ours else 'no such tensor'}): "
+                "its LM width must equal the patient's hidden size"
+            )
     projector.load_state_dict(mapped)
 
 

@@ -26,8 +26,9 @@ from PIL import Image
 
 from ..errors import DataError
 from ..text import read_jsonl
-from ..training.heal_data import HealData, MnistDigits, DataSource, SyntheticImages
-from .mnist import QUESTION as MNIST_QUESTION, read_mnist
+from ..training.heal_data import DataSource, HealData, MnistDigits, SyntheticImages
+from .mnist import QUESTION as MNIST_QUESTION
+from .mnist import read_mnist
 from .processor import VLMProcessor
 from .synthetic import SyntheticQuestions, chat_record
 
@@ -88,8 +89,9 @@ def source_records(source: DataSource, files: list[Path]) -> list[dict]:
         return _mnist(source.mnist, files[0])
     if source.kind == "jsonl":
         return [record for path in files for record in _jsonl(path)]
-    raise DataError(f"a {source.kind} source holds no images: a grafted VLM trains on synthetic, mnist or "
-                    "jsonl image records")
+    raise DataError(
+        f"a {source.kind} source holds no images: a grafted VLM trains on synthetic, mnist or jsonl image records"
+    )
 
 
 def _synthetic(spec: SyntheticImages) -> list[dict]:
@@ -134,10 +136,23 @@ def _jsonl(path: Path) -> list[dict]:
                 raise DataError(f"{where}: image {name} not found (looked for {file})")
             loaders.append(partial(_open_image, file, where))
         messages = _with_image_parts(record["messages"], len(loaders), where)
-        answer = next((m["content"] for m in reversed(messages) if m.get("role") == "assistant"
-                       and isinstance(m.get("content"), str)), "")
-        records.append({"images": loaders, "messages": messages, "answer": answer, "kind": "jsonl",
-                        "key": f"{where}:{hashlib.sha256(line.encode()).hexdigest()[:12]}"})
+        answer = next(
+            (
+                m["content"]
+                for m in reversed(messages)
+                if m.get("role") == "assistant" and isinstance(m.get("content"), str)
+            ),
+            "",
+        )
+        records.append(
+            {
+                "images": loaders,
+                "messages": messages,
+                "answer": answer,
+                "kind": "jsonl",
+                "key": f"{where}:{hashlib.sha256(line.encode()).hexdigest()[:12]}",
+            }
+        )
     return records
 
 
@@ -150,8 +165,11 @@ def _open_image(file: Path, where: str) -> Image.Image:
 
 
 def _with_image_parts(messages: list, images: int, where: str) -> list:
-    has_parts = any(isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
-                    for m in messages if isinstance(m, dict))
+    has_parts = any(
+        isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+        for m in messages
+        if isinstance(m, dict)
+    )
     if has_parts or not images:
         return messages
     out = [dict(m) for m in messages]
@@ -170,11 +188,15 @@ def encode_records(records: list[dict], processor: VLMProcessor, assistant_only:
     for record in records:
         key = json.dumps(record["messages"], sort_keys=True)
         if key not in memo:
-            memo[key] = processor.encode_text(record["messages"], len(record["images"]), assistant_only,
-                                              record.get("key", "record"))
+            memo[key] = processor.encode_text(
+                record["messages"], len(record["images"]), assistant_only, record.get("key", "record")
+            )
         ids, mask = memo[key]
-        examples.append(VisionExample(ids, mask, record["images"], record.get("kind", ""), record.get("answer", ""),
-                                      record.get("key", "")))
+        examples.append(
+            VisionExample(
+                ids, mask, record["images"], record.get("kind", ""), record.get("answer", ""), record.get("key", "")
+            )
+        )
     return examples
 
 
@@ -199,5 +221,7 @@ def describe_source(source: DataSource) -> str:
     if source.kind == "synthetic":
         return f"{source.synthetic.examples} synthetic {source.synthetic.split} ({', '.join(source.synthetic.kinds)})"
     if source.kind == "mnist":
-        return f"MNIST {source.mnist.rows or source.mnist.split}" + (f" ({source.mnist.examples})" if source.mnist.examples else "")
+        return f"MNIST {source.mnist.rows or source.mnist.split}" + (
+            f" ({source.mnist.examples})" if source.mnist.examples else ""
+        )
     return f"jsonl {source.jsonl}"

@@ -32,7 +32,7 @@ def read_mnist(path: Path, rows: range | None = None) -> tuple[np.ndarray, np.nd
     if rows is not None:
         if rows.stop > table.shape[0]:
             raise DataError(f"{path}: rows {rows.start}-{rows.stop - 1} asked, the file has {table.shape[0]}")
-        table = table[rows.start:rows.stop:rows.step]
+        table = table[rows.start : rows.stop : rows.step]
     pixels, labels = table[:, :784], table[:, 784]
     if pixels.min() < 0 or pixels.max() > 255 or labels.min() < 0 or labels.max() > 9:
         raise DataError(f"{path}: pixels must be 0-255 and labels 0-9")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from ..errors import DataError
 from ..chat import Document, chat_ids, render_chat
+from ..errors import DataError
 
 IMAGE_TOKEN = "<image>"
 
@@ -82,8 +82,9 @@ class VLMProcessor:
         ids, mask = self.encode_text(record["messages"], len(images), assistant_only, where)
         return Encoded(ids, mask, self.pixels(images))
 
-    def encode_text(self, messages: list[dict], images: int, assistant_only: bool = True,
-                    where: str = "record") -> tuple[list[int], list[bool]]:
+    def encode_text(
+        self, messages: list[dict], images: int, assistant_only: bool = True, where: str = "record"
+    ) -> tuple[list[int], list[bool]]:
         """Token ids and the targets mask of a chat with `images` image parts."""
         document: Document = render_chat(self.tokenizer, self.flatten(messages, images, where), assistant_only, where)
         # Placeholders are never targets (their id lies past the LM's vocabulary).
@@ -113,5 +114,9 @@ def collate(batch: list[Encoded], pad_id: int) -> dict:
         attention[row, :n] = 1
         labels[row, :n] = ids[row, :n].masked_fill(~torch.tensor(item.mask), -100)
     pixels = [item.pixel_values for item in batch if item.pixel_values.shape[0]]
-    return {"input_ids": ids, "attention_mask": attention, "labels": labels,
-            "pixel_values": torch.cat(pixels) if pixels else None}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "labels": labels,
+        "pixel_values": torch.cat(pixels) if pixels else None,
+    }

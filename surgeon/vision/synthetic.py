@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from PIL import Image, ImageDraw, ImageFont
 
 COLOURS = {
-    "red": (215, 38, 38), "green": (34, 160, 64), "blue": (35, 85, 220),
-    "yellow": (240, 200, 20), "purple": (135, 55, 185), "orange": (245, 130, 15),
+    "red": (215, 38, 38),
+    "green": (34, 160, 64),
+    "blue": (35, 85, 220),
+    "yellow": (240, 200, 20),
+    "purple": (135, 55, 185),
+    "orange": (245, 130, 15),
 }
 SHAPES = ("circle", "square", "triangle")
 WORDS = ("cat", "dog", "sun", "tree", "book", "fish", "car", "hat", "cup", "box", "map", "key")
@@ -79,26 +83,40 @@ class SyntheticQuestions:
             right = self._item(rng, radius, shape=second, x_range=(0.5, 1.0))
             asked = rng.choice([left, right])
             answer = "left" if asked is left else "right"
-            return Scene(kind, answer, QUESTIONS[kind].format(shape=asked["shape"]), [left, right],
-                         background=background)
+            return Scene(
+                kind, answer, QUESTIONS[kind].format(shape=asked["shape"]), [left, right], background=background
+            )
         word = rng.choice(WORDS)
         xy = (int(rng.uniform(0.05, 0.45) * s), int(rng.uniform(0.1, 0.6) * s))
         colour = rng.choice(["red", "blue", "green", "purple"])
         return Scene(kind, word, QUESTIONS[kind], word=word, word_xy=xy, word_colour=colour, background=background)
 
-    def _item(self, rng: random.Random, radius: float, shape: str | None = None, colour: str | None = None,
-              x_range: tuple[float, float] = (0.0, 1.0)) -> dict:
+    def _item(
+        self,
+        rng: random.Random,
+        radius: float,
+        shape: str | None = None,
+        colour: str | None = None,
+        x_range: tuple[float, float] = (0.0, 1.0),
+    ) -> dict:
         s = self.size
         lo, hi = x_range[0] * s + radius, x_range[1] * s - radius  # the whole shape inside the range
-        return {"shape": shape or rng.choice(SHAPES), "colour": colour or rng.choice(list(COLOURS)),
-                "x": rng.uniform(lo, hi), "y": rng.uniform(radius, s - radius), "r": radius}
+        return {
+            "shape": shape or rng.choice(SHAPES),
+            "colour": colour or rng.choice(list(COLOURS)),
+            "x": rng.uniform(lo, hi),
+            "y": rng.uniform(radius, s - radius),
+            "r": radius,
+        }
 
     def _spread(self, rng: random.Random, n: int, radius: float, shape: str, colour: str) -> list[dict]:
         """n non-overlapping items (rejection sampling; the canvas has room for far more than 5)."""
         items: list[dict] = []
         while len(items) < n:
             item = self._item(rng, radius * rng.uniform(0.8, 1.2), shape=shape, colour=colour)
-            if all((item["x"] - o["x"]) ** 2 + (item["y"] - o["y"]) ** 2 > (item["r"] + o["r"] + 4) ** 2 for o in items):
+            if all(
+                (item["x"] - o["x"]) ** 2 + (item["y"] - o["y"]) ** 2 > (item["r"] + o["r"] + 4) ** 2 for o in items
+            ):
                 items.append(item)
         return items
 

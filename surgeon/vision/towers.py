@@ -16,8 +16,9 @@ from ..errors import SourceError
 from ..modeling.towers import TimmTower, TransformersTower
 
 
-def load_donor_state(model: nn.Module, state: dict[str, torch.Tensor], key_map: dict[str, str] | None,
-                     where: str, ordered: bool) -> None:
+def load_donor_state(
+    model: nn.Module, state: dict[str, torch.Tensor], key_map: dict[str, str] | None, where: str, ordered: bool
+) -> None:
     """Load a donor checkpoint whose names may differ from timm's.
 
     With `key_map` (regex -> replacement, applied in order) names are rewritten. Names that then
@@ -35,22 +36,30 @@ def load_donor_state(model: nn.Module, state: dict[str, torch.Tensor], key_map: 
     if set(state) != set(target):
         missing, unexpected = sorted(set(target) - set(state)), sorted(set(state) - set(target))
         if key_map or not ordered:
-            raise SourceError(f"{where}: {len(missing)} of the model's tensors are missing (e.g. {missing[:3]}) and "
-                              f"{len(unexpected)} are unexpected (e.g. {unexpected[:3]})"
-                              + ("" if key_map else "; give a key_map (regex: replacement) to rename them"))
+            raise SourceError(
+                f"{where}: {len(missing)} of the model's tensors are missing (e.g. {missing[:3]}) and "
+                f"{len(unexpected)} are unexpected (e.g. {unexpected[:3]})"
+                + ("" if key_map else "; give a key_map (regex: replacement) to rename them")
+            )
         if len(state) != len(target):
-            raise SourceError(f"{where}: {len(state)} tensors, but the timm model has {len(target)}; "
-                              f"give a key_map (regex: replacement) to pair them")
+            raise SourceError(
+                f"{where}: {len(state)} tensors, but the timm model has {len(target)}; "
+                f"give a key_map (regex: replacement) to pair them"
+            )
         paired = {}
         for (theirs, tensor), (ours, expected) in zip(state.items(), target.items()):
             if tensor.shape != expected.shape:
-                raise SourceError(f"{where}: tensor {theirs} {tuple(tensor.shape)} does not fit {ours} "
-                                  f"{tuple(expected.shape)} (pairing by order); give a key_map")
+                raise SourceError(
+                    f"{where}: tensor {theirs} {tuple(tensor.shape)} does not fit {ours} "
+                    f"{tuple(expected.shape)} (pairing by order); give a key_map"
+                )
             paired[ours] = tensor
         state = paired
     for name, tensor in state.items():
         if target[name].shape != tensor.shape:
-            raise SourceError(f"{where}: {name} is {tuple(tensor.shape)}, the model expects {tuple(target[name].shape)}")
+            raise SourceError(
+                f"{where}: {name} is {tuple(tensor.shape)}, the model expects {tuple(target[name].shape)}"
+            )
     model.load_state_dict(state, strict=True)
 
 
@@ -64,7 +73,7 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling refusal becomes a user error
+    except Exception as exc:
         raise SourceError(f"{path}: not a plain tensor checkpoint ({exc.__class__.__name__}: {exc})") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
@@ -73,8 +82,13 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def timm_tower(architecture: str, checkpoint: Path | None, key_map: dict[str, str] | None = None,
-               image_size: int | None = None, drop_prefix_tokens: bool = True) -> TimmTower:
+def timm_tower(
+    architecture: str,
+    checkpoint: Path | None,
+    key_map: dict[str, str] | None = None,
+    image_size: int | None = None,
+    drop_prefix_tokens: bool = True,
+) -> TimmTower:
     """Build `architecture` in timm (no download: pretrained=False) and load `checkpoint` into it."""
     import timm
 
@@ -96,7 +110,7 @@ def timm_tower(architecture: str, checkpoint: Path | None, key_map: dict[str, st
         grid, tokens = (probe.shape[2], probe.shape[3]), probe.shape[2] * probe.shape[3]
     else:  # ViT: (B, prefix + N, C)
         tokens = probe.shape[1] - (int(getattr(model, "num_prefix_tokens", 0)) if drop_prefix_tokens else 0)
-        side = int(round(tokens ** 0.5))
+        side = int(round(tokens**0.5))
         grid = (side, side) if side * side == tokens else None
     return TimmTower(model, grid, tokens, drop_prefix_tokens)
 

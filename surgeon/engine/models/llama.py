@@ -16,7 +16,6 @@ from ..attention import dense_attention, sparse_topk_attention
 from ..batch import StepBatch
 
 
-
 class RMSNorm(nn.Module):
     def __init__(self, source: nn.Module):
         super().__init__()
@@ -73,11 +72,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
-        qk, v = qkv[:, :self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads:]
+        qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])], dim=1)
+            qk = torch.cat([self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])], dim=1)
         qk = rotate(qk, cos, sin)  # queries and keys in one pass: fewer small ops per layer
-        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
         self.k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slots, k)
         self.v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, batch.slots, v)
         if self.indexer is None:
@@ -93,9 +92,21 @@ class Attention(nn.Module):
         keys = indexer.keys(hidden, positions)[0]
         self.index_cache.view(-1, indexer.dim).index_copy_(0, batch.slots, keys.to(self.index_cache.dtype))
         index_q = indexer._rotate(indexer.wq(hidden).view(1, -1, indexer.heads, indexer.dim), positions)[0]
-        weights = indexer.weights_proj(hidden)[0].float() * indexer.heads ** -0.5
-        return sparse_topk_attention(q, self.k_cache, self.v_cache, index_q, weights, self.index_cache, batch,
-                                     self.scale, indexer.dim ** -0.5, settings.top_k, settings.sinks, settings.window)
+        weights = indexer.weights_proj(hidden)[0].float() * indexer.heads**-0.5
+        return sparse_topk_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            index_q,
+            weights,
+            self.index_cache,
+            batch,
+            self.scale,
+            indexer.dim**-0.5,
+            settings.top_k,
+            settings.sinks,
+            settings.window,
+        )
 
 
 class MLP(nn.Module):
