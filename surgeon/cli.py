@@ -149,21 +149,23 @@ def _plan(args) -> None:
 def _run(args) -> None:
     from .recipe.run import run_recipe
     from .recipe.schema import load_recipe
+    from .report.summary import stage_line
 
     started = time.perf_counter()
     result = run_recipe(load_recipe(args.recipe), out=args.out, overwrite=args.overwrite, resume=args.resume)
     for step in result.report["provenance"]:
         print(f"{step['op']}: {step['what']}\n    {step['why']}")
     for stage in result.report["stages"]:
-        print(_stage_line(stage))
+        print(stage_line(stage))
     print(f"exported {result.target} in {time.perf_counter() - started:.0f} s")
 
 
 def _eval(args) -> None:
     from .measure.compare import evaluate_checkpoints
+    from .report.summary import metrics_line
 
     metrics = evaluate_checkpoints(args.child, args.parent, args.data, tokens=args.tokens, window=args.window)
-    print(json.dumps(metrics, indent=2) if args.json else _metrics_line(args.child, metrics))
+    print(json.dumps(metrics, indent=2) if args.json else metrics_line(args.child, metrics))
 
 
 def _analyze(args) -> None:
@@ -216,24 +218,6 @@ def _models(args) -> None:
         state = f"installed ({alias.version()})" if alias.installed() else f"not installed: {alias.install}"
         default = " [default]" if alias.name == DEFAULT_MODEL else ""
         print(f"{alias.name}{default}\n    {alias.description}\n    {state}")
-
-
-def _stage_line(stage: dict) -> str:
-    m = stage["metrics"]
-    if stage.get("kind", "kl") == "instructions":
-        return (
-            f"{stage['name']}: instructions {m['correct']}/{m['total']} right "
-            f"(parent {m['parent_correct']}/{m['total']})"
-        )
-    return _metrics_line(f"{stage['name']} on {stage['data']}", m)
-
-
-def _metrics_line(name: str, m: dict) -> str:
-    return (
-        f"{name}: kl_mean {m['kl_mean']:.4f}  kl_median {m['kl_median']:.4f}  kl_p99 {m['kl_p99']:.4f}  "
-        f"top1_agreement {m['top1_agreement']:.4f}  ppl {m['ppl']:.2f}  ppl_parent {m['ppl_parent']:.2f}  "
-        f"tokens {m['tokens']}"
-    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import DataError, ParamError
+from .paths import PathRefused, user_path
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ def resolve_files(patterns: str | list[str], base_dir: Path, field: str) -> list
     single = isinstance(patterns, str)
     for index, pattern in enumerate([patterns] if single else patterns):
         node = (field,) if single else (field, index)
-        path = Path(pattern).expanduser()
-        full = path if path.is_absolute() else base_dir / path
+        try:
+            full = user_path(pattern, base_dir)
+        except PathRefused as exc:
+            raise ParamError((field,), str(exc), node=node) from None
         if any(ch in pattern for ch in "*?["):
             found = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if Path(p).is_file())
             if not found:
@@ -58,7 +61,7 @@ def resolve_files(patterns: str | list[str], base_dir: Path, field: str) -> list
         elif full.is_file():
             files.append(full)
         else:
-            raise ParamError((field,), f"no such file: {pattern} (resolved to {full.resolve()})", node=node)
+            raise ParamError((field,), f"no such file: {pattern} (resolved to {full})", node=node)
     return files
 
 

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from ..errors import SourceError
+from ..paths import PathRefused, user_path
 from ..surgery import architecture
 from ..surgery.selection import select, unmatched_patterns
 from .aliases import ALIASES, Alias
@@ -199,9 +200,10 @@ def resolve_source(
     if spec in ALIASES:
         ALIASES[spec].version()  # a clear "install it with ..." error when the wheel is missing
         return Source(label=spec, kind="alias", location=spec, **common)
-    path = Path(spec).expanduser()
-    if not path.is_absolute():
-        path = (base_dir / path).resolve()
+    try:
+        path = user_path(spec, base_dir)
+    except PathRefused as exc:
+        raise SourceError(f"source {spec!r}: {exc}") from None
     if path.is_file() and path.suffix == ".gguf":
         return Source(label=spec, kind="gguf", location=str(path), **common)
     if path.is_dir():

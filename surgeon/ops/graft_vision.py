@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ParamError, SourceError
+from ..paths import PathRefused, user_path
 from ..recipe.patient import Patient, Provenance
 from ..recipe.step import ModelState, Operation, StepContext, register
 from ..vision.processor import IMAGE_TOKEN
@@ -172,8 +173,10 @@ def _donor(spec: TowerSpec, recipe_dir: Path, weights: bool):
             if checkpoint is None:
                 log.warning("graft_vision: no checkpoint for %s: the tower keeps its random init", spec.timm)
             return timm_donor(spec.timm, checkpoint, spec.key_map, spec.image_size, spec.mean, spec.std, load=weights)
-        folder = Path(spec.transformers).expanduser()
-        folder = folder if folder.is_absolute() else recipe_dir / folder
+        try:
+            folder = user_path(spec.transformers, recipe_dir)
+        except PathRefused as exc:
+            raise SourceError(str(exc)) from None
         return transformers_donor(
             folder, spec.layer, spec.drop_cls, spec.projector_from_donor, spec.mean, spec.std, load=weights
         )

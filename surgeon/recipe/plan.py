@@ -12,6 +12,7 @@ from .. import families
 from ..checkpoints.sources import DTYPES, Source, resolve_source
 from ..errors import ParamError, RecipeError, SourceError
 from ..ops import OPERATIONS
+from ..paths import PathRefused, user_path
 from ..surgery.architecture import Shape, shape_of
 from .schema import Recipe, SourceSpec
 from .step import BASE, ModelState, StepContext
@@ -56,6 +57,11 @@ def plan_recipe(recipe: Recipe) -> Plan:
     base = _resolve(recipe, recipe.spec.base, ("base",))
     sources = {name: _resolve(recipe, spec, ("sources", name)) for name, spec in recipe.spec.sources.items()}
     sources[BASE] = base
+    if recipe.spec.export.path:
+        try:
+            user_path(recipe.spec.export.path, recipe.directory)
+        except PathRefused as exc:
+            raise RecipeError([recipe.problem(("export", "path"), str(exc))]) from None
     plan = Plan(recipe=recipe, base=base, sources=sources)
     state = ModelState(base.config, base.dtype)
     plan.rows.append(PlanRow("base", base.describe(), shape_of(state.config, state.dtype)))

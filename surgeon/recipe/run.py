@@ -17,6 +17,7 @@ from .. import __version__
 from ..checkpoints.export import check_target, export_model, push_folder
 from ..errors import ExportError, ParamError, RecipeError, SurgeonError
 from ..ops import OPERATIONS
+from ..paths import user_path
 from .patient import Patient
 from .plan import Plan, plan_recipe
 from .schema import Recipe
@@ -34,11 +35,10 @@ class RunResult:
 def export_target(recipe: Recipe, out: str | Path | None) -> Path:
     """--out (relative to the current directory), else export.path (relative to the recipe), else out/NAME."""
     if out is not None:
-        return Path(out).expanduser().resolve()
+        return user_path(out)
     if recipe.spec.export.path:
-        path = Path(recipe.spec.export.path).expanduser()
-        return path if path.is_absolute() else (recipe.directory / path).resolve()
-    return (Path.cwd() / "out" / recipe.spec.name).resolve()
+        return user_path(recipe.spec.export.path, recipe.directory)
+    return user_path(Path("out") / recipe.spec.name)
 
 
 def work_dir_for(target: Path) -> Path:

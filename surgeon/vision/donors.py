@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import families
 from ..errors import SourceError
+from ..paths import PathRefused, user_path
 from .towers import timm_tower, transformers_tower
 
 # Defaults when a folder has no preprocessor_config.json (the families' published statistics).
@@ -74,8 +75,10 @@ def resolve_checkpoint(text: str, base_dir: Path) -> Path:
                 "give the file's path instead"
             )
         return files[0]
-    path = Path(text).expanduser()
-    path = path if path.is_absolute() else base_dir / path
+    try:
+        path = user_path(text, base_dir)
+    except PathRefused as exc:
+        raise SourceError(f"checkpoint {exc}") from None
     if not path.is_file():
         raise SourceError(f"checkpoint {path} does not exist")
     return path

@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
+from ..paths import PathRefused, user_path
 from ..text import read_jsonl
 from ..training.heal_data import DataSource, HealData, MnistDigits, SyntheticImages
 from .mnist import QUESTION as MNIST_QUESTION
@@ -131,7 +132,10 @@ def _jsonl(path: Path) -> list[dict]:
             raise DataError(f"{where}: 'images' must be a list of paths")
         loaders = []
         for name in names:
-            file = Path(name) if Path(name).is_absolute() else path.parent / name
+            try:
+                file = user_path(name, path.parent)
+            except PathRefused as exc:
+                raise DataError(f"{where}: image {exc}") from None
             if not file.is_file():
                 raise DataError(f"{where}: image {name} not found (looked for {file})")
             loaders.append(partial(_open_image, file, where))

@@ -1,0 +1,56 @@
+"""The one-line summary of each stage that `surgeon run` prints after an export (one per kind)."""
+
+from __future__ import annotations
+
+
+def stage_line(stage: dict) -> str:
+    """A stage of any kind as one line; a kind this module does not know still prints its numbers."""
+    kind = stage.get("kind", "kl")
+    line = _LINES.get(kind, _any_line)
+    return line(stage)
+
+
+def metrics_line(name: str, m: dict) -> str:
+    """KL-to-parent metrics (evaluate, surgeon eval) as one line."""
+    return (
+        f"{name}: kl_mean {m['kl_mean']:.4f}  kl_median {m['kl_median']:.4f}  kl_p99 {m['kl_p99']:.4f}  "
+        f"top1_agreement {m['top1_agreement']:.4f}  ppl {m['ppl']:.2f}  ppl_parent {m['ppl_parent']:.2f}  "
+        f"tokens {m['tokens']}"
+    )
+
+
+def _kl_line(stage: dict) -> str:
+    return metrics_line(f"{stage['name']} on {stage['data']}", stage["metrics"])
+
+
+def _instructions_line(stage: dict) -> str:
+    m = stage["metrics"]
+    return (
+        f"{stage['name']}: instructions {m['correct']}/{m['total']} right (parent {m['parent_correct']}/{m['total']})"
+    )
+
+
+def _vision_line(stage: dict) -> str:
+    """Per image source: exact-answer accuracy, then the shuffled-image control and chance."""
+    m = stage["metrics"]
+    sources = sorted(k.removesuffix("_accuracy") for k in m if k.endswith("_accuracy") and "_shuffled" not in k)
+    parts = []
+    for source in sources:
+        controls = [
+            f"{label} {m[key]:.1%}"
+            for label, key in (("shuffled", f"{source}_shuffled_accuracy"), ("chance", f"{source}_chance"))
+            if m.get(key) is not None
+        ]
+        examples = m.get(f"{source}_examples")
+        count = f" of {examples}" if examples is not None else ""
+        extra = f" ({', '.join(controls)})" if controls else ""
+        parts.append(f"{source} {m[f'{source}_accuracy']:.1%}{count}{extra}")
+    return f"{stage['name']}: image questions right: {'; '.join(parts) or 'none measured'}"
+
+
+def _any_line(stage: dict) -> str:
+    numbers = "  ".join(f"{k} {v:.4g}" for k, v in stage["metrics"].items() if isinstance(v, int | float))
+    return f"{stage['name']} ({stage.get('kind')}) on {stage.get('data', '?')}: {numbers}"
+
+
+_LINES = {"kl": _kl_line, "instructions": _instructions_line, "vision": _vision_line}
