@@ -201,6 +201,19 @@ print("ok", type(model).__name__)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ok SurgeonSparseLlamaForCausalLM" in done.stdout
 
+    # Loaded back through Source, the attention modules share model.config, so indexer_mode's switch
+    # to eager attention reaches them and recall is measured, not reported as 1.0 for want of probabilities.
+    from surgeon.checkpoints.sources import resolve_source
+    from surgeon.modeling.sparse_attention import sparse_modules
+    from surgeon.training.indexer import measure_recall
+
+    reloaded = resolve_source(str(result.target), tmp_path).load_model()
+    assert all(m.config is reloaded.config for m in sparse_modules(reloaded))
+    windows = torch.randint(3, 300, (2, 48), generator=torch.Generator().manual_seed(0))
+    want = measure_recall(result.patient.model, windows)
+    got = measure_recall(reloaded, windows)
+    assert got == pytest.approx(want, abs=1e-5) and min(got.values()) < 0.999
+
 
 @pytest.mark.parametrize(
     "body, match",

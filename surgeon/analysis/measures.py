@@ -67,17 +67,7 @@ def measure(model, windows: torch.Tensor) -> LayerMeasures:
 
 
 def _recall(model, windows: torch.Tensor) -> dict[int, float]:
-    """measure_recall, with eager attention on the layers' own config too: Source.load_model swaps in
-    a cleaned model.config, so the attention modules no longer share the object indexer_mode switches."""
-    configs = {id(m.config): m.config for m in sparse_modules(model)}
-    saved = {key: config._attn_implementation for key, config in configs.items()}
-    try:
-        for config in configs.values():
-            config._attn_implementation = "eager"
-        return {int(k): float(v) for k, v in measure_recall(model, windows).items()}
-    finally:
-        for key, config in configs.items():
-            config._attn_implementation = saved[key]
+    return {int(k): float(v) for k, v in measure_recall(model, windows).items()}
 
 
 def kv_head_similarity(model, sigmas: list[torch.Tensor]) -> dict[str, list[float]]:

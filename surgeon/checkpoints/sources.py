@@ -128,7 +128,7 @@ class Source:
         except (OSError, ValueError) as exc:
             raise SourceError(f"source '{self.label}': cannot load the model: {exc}") from None
         # Loading artefacts would make the saved config differ from a plain checkpoint.
-        model.config = architecture.clean_config(model.config)
+        architecture.strip_loading_artefacts(model.config)
         return model.eval()
 
     def load_tokenizer(self):

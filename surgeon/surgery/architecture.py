@@ -142,6 +142,14 @@ def clean_config(config: PretrainedConfig) -> PretrainedConfig:
     return type(config).from_dict(values)
 
 
+def strip_loading_artefacts(config: PretrainedConfig) -> None:
+    """clean_config in place, for a loaded model: its modules hold this very object (attention reads
+    _attn_implementation from it, which indexer_mode switches), so it must not be swapped for a copy."""
+    if "quantization_config" in config.__dict__:
+        del config.quantization_config
+    config._name_or_path = ""
+
+
 def assemble(
     config: PretrainedConfig,
     tensors: dict[str, torch.Tensor],
