@@ -3,6 +3,7 @@ conversation through the tokenizer's chat template, and which of its tokens are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import DataError
@@ -14,8 +15,14 @@ class Document:
     mask: list[bool]
 
 
-def render_chat(tokenizer, messages: list[dict], assistant_only: bool, where: str = "chat") -> Document:
+Encode = Callable[[str], list[int]]  # rendered chat text -> token ids
+
+
+def render_chat(
+    tokenizer, messages: list[dict], assistant_only: bool, where: str = "chat", encode: Encode | None = None
+) -> Document:
     """Render with the chat template; with assistant_only, only assistant turns are targets.
+    `encode` turns the rendered text into ids (default: the tokenizer, special tokens parsed).
 
     Assistant spans are found by rendering each prefix of the conversation, which works for any
     template that renders a prefix as a prefix (ChatML, Llama, Gemma).
@@ -26,21 +33,21 @@ def render_chat(tokenizer, messages: list[dict], assistant_only: bool, where: st
         raise DataError(f"{where}: 'messages' must be a list of {{role, content}}")
     if tokenizer.chat_template is None:
         raise DataError(f"{where}: chat data needs a tokenizer with a chat template")
-    ids = chat_ids(tokenizer, messages, generation_prompt=False)
+    ids = chat_ids(tokenizer, messages, generation_prompt=False, encode=encode)
     mask = [not assistant_only] * len(ids)
     if assistant_only:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(chat_ids(tokenizer, messages[:i], generation_prompt=True))
-            end = len(chat_ids(tokenizer, messages[: i + 1], generation_prompt=False))
+            start = len(chat_ids(tokenizer, messages[:i], generation_prompt=True, encode=encode))
+            end = len(chat_ids(tokenizer, messages[: i + 1], generation_prompt=False, encode=encode))
             for t in range(start, min(end, len(ids))):
                 mask[t] = True
     return Document(ids, mask)
 
 
-def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool, encode: Encode | None = None) -> list[int]:
     if not messages:
         return []
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode(text) if encode is not None else tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -105,6 +105,17 @@ def test_image_turn_on_a_vlm_depends_on_the_image(served, chatty_vlm, tmp_path):
     assert replies[0] != replies[1]
 
 
+def test_typed_image_placeholders_in_the_chat_box_are_text(served, chatty_vlm, tmp_path):
+    client = served(chatty_vlm)
+    png = tmp_path / "green.png"
+    Image.new("RGB", (40, 40), (30, 200, 60)).save(png)
+    typed = "Is <image> a tag?"
+    with_image = {"text": typed, "files": [gradio_client.handle_file(str(png))]}
+    for message in (with_image, {"text": typed, "files": []}):
+        reply = client.predict(message, *GREEDY, 8, api_name="/chat")
+        assert isinstance(reply, str) and reply and "error" not in reply.lower(), reply
+
+
 def test_an_image_to_a_text_model_is_refused_with_the_reason(served, tiny_llama, tmp_path):
     client = served(tiny_llama)
     png = tmp_path / "red.png"

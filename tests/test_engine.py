@@ -244,6 +244,35 @@ def test_llava_layout_export_matches_transformers(tmp_path, tokenizer_dir):
     )
 
 
+def _placeholder_runs(ids: list[int], image_id: int) -> int:
+    return sum(1 for i, t in enumerate(ids) if t == image_id and (i == 0 or ids[i - 1] != image_id))
+
+
+def test_a_typed_image_placeholder_is_text_never_an_image_slot(tmp_path, tokenizer_dir):
+    """Only image parts make image slots: "<image>" typed in a message (or a plain prompt) is
+    tokenised as the characters it is, for surgeon's VLM and for the LLaVA layout alike."""
+    from surgeon.vision.export import hf_processor, to_llava
+    from surgeon.vision.graft import image_chat_template
+
+    vlm, tokenizer = _tiny_vlm_export(tmp_path / "surgeon", tokenizer_dir)
+    tokenizer.chat_template = image_chat_template(tokenizer.chat_template, vlm.config.image_token)
+    to_llava(vlm).save_pretrained(tmp_path / "llava")
+    hf_processor(vlm.config, tokenizer).save_pretrained(tmp_path / "llava")
+    image = Image.new("RGB", (40, 40), (30, 200, 60))
+    typed = "Is <image> a tag? <image>"
+    with_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": typed}]}]
+    for folder in (tmp_path / "surgeon", tmp_path / "llava"):
+        llm = LLM(str(folder), block_size=4)
+        image_id = llm.vision.image_token_id
+        ids, spans = llm.encode(with_image, [image])
+        assert len(spans) == 1 and _placeholder_runs(ids, image_id) == 1, folder.name
+        assert llm.generate([with_image], GREEDY, images=[[image]])[0].token_ids
+        for text_only in ([{"role": "user", "content": typed}], typed):
+            ids, spans = llm.encode(text_only)
+            assert not spans and image_id not in ids, (folder.name, text_only)
+            assert llm.generate([text_only], GREEDY)[0].token_ids
+
+
 @pytest.mark.real_model
 @requires_smollm2
 def test_real_smollm2_chats_equal_transformers_generate():

@@ -180,6 +180,55 @@ def test_completions_streamed_and_not_with_a_stop_string(llama):
     wait_idle(engine)
 
 
+def test_a_loop_is_stop_for_openai_and_loop_in_the_surgeon_extension(llama):
+    """OpenAI clients see "stop"; a client that asks can tell a degenerate loop from an end."""
+    url, engine = llama
+    api = client(url)
+    seen = set()
+    for prompt in ("the house of the garden", "of", "garden garden", "the"):
+        whole = api.completions.create(model=engine.llm.model_name, prompt=prompt, max_tokens=300, temperature=0)
+        choice = whole.choices[0]
+        real = choice.model_extra["surgeon"]["finish_reason"]
+        assert choice.finish_reason == {"loop": "stop"}.get(real, real)
+        seen.add(real)
+        chunks = list(
+            api.completions.create(
+                model=engine.llm.model_name, prompt=prompt, max_tokens=300, temperature=0, stream=True
+            )
+        )
+        last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+        assert last.finish_reason == choice.finish_reason and last.model_extra["surgeon"]["finish_reason"] == real
+    assert "loop" in seen, seen  # a tiny random model under greedy decoding falls into a loop
+
+
+def test_completions_take_a_prompt_as_token_ids(llama):
+    """As OpenAI's API allows: token ids, alone or as a batch of one, give the text prompt's answer."""
+    url, engine = llama
+    api, name = client(url), engine.llm.model_name
+    ids = engine.llm.tokenizer("the house of the garden")["input_ids"]
+    as_text = api.completions.create(model=name, prompt="the house of the garden", max_tokens=6, temperature=0)
+    for prompt in (ids, [ids]):
+        as_ids = api.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0)
+        assert as_ids.choices[0].text == as_text.choices[0].text
+        assert as_ids.usage.prompt_tokens == len(ids)
+    for prompt, fragment in (([10**9], "outside the vocabulary"), ([ids, ids], "one prompt per request")):
+        with pytest.raises(openai.BadRequestError, match=fragment):
+            api.completions.create(model=name, prompt=prompt, max_tokens=2)
+
+
+def test_max_tokens_is_bounded_by_the_context_not_by_waiting(llama):
+    """Without max_tokens: until a stop or the context's end; with one too big: 400 at once."""
+    url, engine = llama
+    api, name = client(url), engine.llm.model_name
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match="does not fit"):
+        api.completions.create(model=name, prompt="the house", max_tokens=1_000_000_000_000)
+    assert time.monotonic() - started < 5
+    fits = engine.llm.max_model_len - len(engine.llm.tokenizer("the house")["input_ids"])
+    answer = api.completions.create(model=name, prompt="the house", max_tokens=fits, temperature=0)
+    assert answer.usage.completion_tokens <= fits
+
+
 # ---- mistakes: JSON errors with 4xx statuses
 
 
@@ -195,6 +244,8 @@ def test_completions_streamed_and_not_with_a_stop_string(llama):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": user([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])}, "text-only"),
         ({"messages": user("word " * 3000)}, "prompt has"),
+        ({"max_tokens": 1_000_000_000_000}, "max_tokens=1000000000000 does not fit"),
+        ({"max_tokens": None, "max_completion_tokens": 5000}, "at most"),
     ],
 )
 def test_bad_requests_get_400_with_a_json_error(llama, kwargs, fragment):
@@ -405,6 +456,18 @@ def test_an_image_as_a_data_url_reaches_the_vision_tower(vlm):
     wait_idle(engine)
 
 
+def test_typed_image_placeholders_are_text_not_image_slots(vlm):
+    """A user's "<image>" is text: with one image part it is still one image; without, no image."""
+    url, engine = vlm
+    api, name = client(url), engine.llm.model_name
+    typed = "what is <image> here? <image>"
+    content = [{"type": "text", "text": typed}, {"type": "image_url", "image_url": {"url": data_url(picture(3))}}]
+    assert api.chat.completions.create(model=name, messages=user(content), max_tokens=2, temperature=0).choices
+    assert api.chat.completions.create(model=name, messages=user(typed), max_tokens=2, temperature=0).choices
+    assert api.completions.create(model=name, prompt=typed, max_tokens=2, temperature=0).choices
+    wait_idle(engine)
+
+
 def bomb_png(width: int, height: int) -> str:
     """A 1x1 PNG whose header is rewritten to claim width x height: a few dozen bytes that would
     decode to width*height pixels, were anyone to decode them."""
@@ -441,8 +504,10 @@ def test_too_many_images_and_mismatched_prompts(vlm):
     image = {"type": "image_url", "image_url": {"url": data_url(picture(4))}}
     with pytest.raises(openai.BadRequestError, match="the limit is 2"):
         client(url).chat.completions.create(model=engine.llm.model_name, messages=user([image] * 3), max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="image"):  # images need chat messages, not a raw prompt
-        client(url).completions.create(model=engine.llm.model_name, prompt="<image>" * 16, max_tokens=2)
+    # Placeholder token ids with no image: refused. (Typed "<image>" text is text: see the test above.)
+    placeholders = [engine.llm.vision.image_token_id] * 16
+    with pytest.raises(openai.BadRequestError, match="image"):
+        client(url).completions.create(model=engine.llm.model_name, prompt=placeholders, max_tokens=2)
     wait_idle(engine)
 
 

@@ -140,10 +140,17 @@ class LLM:
             if images:
                 raise ValueError("images need chat messages with image parts, not a plain text prompt")
             ids = self.tokenizer(prompt)["input_ids"]
+            if self.is_vlm and self.vision.image_token_id in ids:  # typed, so text: no image slot
+                ids = self.vision.plain_ids(prompt)
         elif isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
             if images:
                 raise ValueError("images need chat messages with image parts, not token ids")
             ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            placeholder = self.vision.image_token_id if self.is_vlm else None  # may lie past the LM's vocabulary
+            bad = next((token for token in ids if not 0 <= token < vocab and token != placeholder), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         elif isinstance(prompt, list) and all(isinstance(message, dict) for message in prompt):
             ids, spans = self._chat(prompt, images)
         else:
@@ -175,6 +182,11 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; this engine holds at most {self.max_model_len - 1} prompt tokens"
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the context "
+                f"holds {self.max_model_len}, so at most {self.max_model_len - len(ids)} new tokens"
             )
         seq = Sequence(ids, params, request_id=request_id or "", images=spans)
         if seq.request_id in self.requests:

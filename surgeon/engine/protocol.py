@@ -114,7 +114,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # as OpenAI: text or token ids, one or a batch
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -124,8 +124,16 @@ class CompletionRequest(Sampling):
         for name in ("logprobs", "echo", "suffix"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", param=name)
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], int):
+            return  # one prompt as token ids
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise APIError(400, f"prompt: one prompt per request (got a list of {len(self.prompt)})", param="prompt")
+
+    def one_prompt(self) -> str | list[int]:
+        """The request's prompt: text or token ids."""
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            return self.prompt[0]
+        return self.prompt
 
 
 UNION_TAGS = {"str", "int", "float", "bool", "none"}
@@ -162,12 +170,13 @@ async def parse(request: Request, model: type[Sampling]) -> Sampling:
     return body
 
 
-def sampling_params(body: Sampling, max_tokens: int | None, max_model_len: int):
+def sampling_params(body: Sampling, max_tokens: int | None):
     from . import SamplingParams
 
-    # As OpenAI: without max_tokens, generate until a stop or the end of the context.
+    # As OpenAI: without max_tokens, generate until a stop or the end of the context; with one that
+    # cannot fit beside the prompt, the engine refuses the request (400).
     given = dict(
-        max_tokens=max_model_len if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
@@ -175,7 +184,7 @@ def sampling_params(body: Sampling, max_tokens: int | None, max_model_len: int):
         seed=body.seed,
         ignore_eos=body.ignore_eos,
     )
-    kwargs = {name: value for name, value in given.items() if value is not None}
+    kwargs = {name: value for name, value in given.items() if value is not None or name == "max_tokens"}
     if body.stop is not None:
         kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     try:

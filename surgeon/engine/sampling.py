@@ -11,9 +11,10 @@ class SamplingParams:
     is none (HF's rule: a seen token's positive logit is divided by it, a negative one multiplied).
     `seed` makes a sampled request reproducible whatever else is in its batch. `stop`: strings that
     end the output (not included in it). `loop_window`: tokens the loop detector looks back over
-    (0 turns it off)."""
+    (0 turns it off). `max_tokens=None`: until a stop or the end of the model's context; a number
+    that cannot fit beside the prompt in the context is refused when the request is added."""
 
-    max_tokens: int = 128
+    max_tokens: int | None = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -30,8 +31,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         checks = [
             (
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}",
             ),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),

@@ -41,7 +41,17 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "loop": "stop"}  # OpenAI knows stop and length
+# OpenAI's finish_reason knows stop and length; the engine's own reason ("loop": degenerate
+# repetition cut short) travels beside it in the choice's `surgeon` extension field.
+FINISH_REASONS = {"stop": "stop", "length": "length", "loop": "stop"}
+
+
+def finish_fields(reason: str | None) -> dict:
+    """A choice's finish fields: OpenAI's value, plus surgeon's real reason once there is one."""
+    fields = {"finish_reason": FINISH_REASONS.get(reason, reason)}
+    if reason is not None:
+        fields["surgeon"] = {"finish_reason": reason}
+    return fields
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,7 @@ def create_app(engine: EngineLoop, limits: ServerLimits = ServerLimits()) -> Fas
         body: ChatRequest = await parse(request, ChatRequest)
         check_model(body)
         limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-        params = sampling_params(body, limit, llm.max_model_len)
+        params = sampling_params(body, limit)
         n_images = count_images(body.messages)
         if n_images and not llm.is_vlm:
             raise APIError(400, f"model {name!r} is text-only: it does not accept images", param="messages")
@@ -172,9 +182,8 @@ def create_app(engine: EngineLoop, limits: ServerLimits = ServerLimits()) -> Fas
     async def completions(request: Request):
         body: CompletionRequest = await parse(request, CompletionRequest)
         check_model(body)
-        params = sampling_params(body, body.max_tokens, llm.max_model_len)
-        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        return await respond(request, body, prompt, params, None, chat=False)
+        params = sampling_params(body, body.max_tokens)
+        return await respond(request, body, body.one_prompt(), params, None, chat=False)
 
     async def respond(request: Request, body: Sampling, prompt, params, images, chat: bool):
         deadline = asyncio.get_running_loop().time() + limits.request_timeout
@@ -253,7 +262,7 @@ class Reply:
         async for out in self.outputs():
             text.append(out.text)
             finish = out.finish_reason
-        choice = {"index": 0, "finish_reason": FINISH_REASONS.get(finish, finish)}
+        choice = {"index": 0, **finish_fields(finish)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
             choice["logprobs"] = None
@@ -271,9 +280,9 @@ class Reply:
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, **finish_fields(finish), "logprobs": None}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", **finish_fields(finish), "logprobs": None}
         return sse(
             {
                 "id": self.id,
@@ -289,9 +298,8 @@ class Reply:
             if self.chat:
                 yield self.chunk(None, role=True)
             async for out in self.outputs():
-                finish = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
-                if out.text or finish:
-                    yield self.chunk(out.text, finish)
+                if out.text or out.finish_reason:
+                    yield self.chunk(out.text, out.finish_reason)
             if include_usage:
                 yield sse(
                     {

@@ -36,7 +36,7 @@ class Stopper:
             reason, completion = "stop", completion[:-1]
         elif repeating_period(completion, params.loop_window) is not None:
             reason = "loop"
-        elif len(completion) >= params.max_tokens or len(seq) >= self.max_model_len:
+        elif len(seq) >= self.max_model_len or (params.max_tokens is not None and len(completion) >= params.max_tokens):
             reason = "length"
         text = self.tokenizer.decode(completion, skip_special_tokens=True)
         for stop in params.stop:

@@ -30,9 +30,12 @@ class SurgeonVLMFront:
         self.tokens_per_image = self.processor.image_seq_length
 
     def encode(self, messages: list[dict], images: list) -> tuple[list[int], torch.Tensor]:
-        inputs = self.processor.prompt(messages, images)
+        inputs = self.processor.prompt(messages, images)  # typed placeholders stay text there
         pixels = inputs["pixel_values"]
         return inputs["input_ids"][0].tolist(), pixels if pixels is not None else torch.empty(0)
+
+    def plain_ids(self, prompt: str) -> list[int]:
+        return self.processor.tokenizer("")["input_ids"] + self.processor.text_ids(prompt)
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.vlm.image_features(pixels)
@@ -43,8 +46,17 @@ class LlavaFront:
         self.llava, self.processor = llava, processor
         self.image_token_id = llava.config.image_token_id
         self.tokens_per_image = llava.config.image_seq_length
+        self.image_token = processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def plain_ids(self, prompt: str) -> list[int]:
+        from ..vision.processor import text_ids
+
+        return self.processor.tokenizer("")["input_ids"] + text_ids(self.processor.tokenizer, prompt, self.image_token)
 
     def encode(self, messages: list[dict], images: list) -> tuple[list[int], torch.Tensor]:
+        # LLaVA's processor turns every "<image>" in the text into an image's tokens, so one a user
+        # typed is escaped first (a word joiner after "<"); only image parts make image slots.
+        messages = [_escape_typed(message, self.image_token) for message in messages]
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = self.processor(text=text, images=images or None, return_tensors="pt")
         pixels = inputs.get("pixel_values")
@@ -55,6 +67,22 @@ class LlavaFront:
         return torch.stack(self.llava.model.get_image_features(pixel_values=pixels.to(dtype)).pooler_output)
 
 
+def _escape_typed(message: dict, token: str) -> dict:
+    escaped = token[:1] + "\u2060" + token[1:]
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content.replace(token, escaped)}
+    if isinstance(content, list):
+        parts = [
+            {**part, "text": part["text"].replace(token, escaped)}
+            if part.get("type") == "text" and isinstance(part.get("text"), str)
+            else part
+            for part in content
+        ]
+        return {**message, "content": parts}
+    return message
+
+
 class VisionEncoder:
     def __init__(self, front, device: torch.device, cached_images: int = 32):
         self.front, self.device = front, device
@@ -63,6 +91,10 @@ class VisionEncoder:
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cached_images = cached_images
         self.encoded = 0  # images run through the tower (tests and benchmarks read it)
+
+    def plain_ids(self, prompt: str) -> list[int]:
+        """A plain text prompt's ids, in which a typed placeholder is text, not an image slot."""
+        return self.front.plain_ids(prompt)
 
     def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[ImageSpan]]:
         """Token ids of a chat and one span per image, in order, with its pixels and digest."""

@@ -18,6 +18,9 @@ from ..chat import Document, chat_ids, render_chat
 from ..errors import DataError
 
 IMAGE_TOKEN = "<image>"
+# Marks an image part's place while the chat template renders (a Unicode noncharacter, removed
+# from users' text), so that only image parts, never typed text, become placeholder runs.
+IMAGE_SLOT = "\uffff"
 
 
 def add_image_token(tokenizer, token: str = IMAGE_TOKEN) -> int:
@@ -25,6 +28,18 @@ def add_image_token(tokenizer, token: str = IMAGE_TOKEN) -> int:
     if token not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
     return tokenizer.convert_tokens_to_ids(token)
+
+
+def text_ids(tokenizer, text: str, image_token: str) -> list[int]:
+    """Ids of text in which a typed placeholder is text: its characters' tokens, never the image
+    token (which only an image part makes). Other special tokens (a template's) still parse."""
+    ids: list[int] = []
+    for index, piece in enumerate(text.split(image_token)):
+        if index:
+            ids += tokenizer(image_token, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 @dataclass
@@ -65,12 +80,14 @@ class VLMProcessor:
                 for part in content:
                     if part.get("type") == "image":
                         seen += 1
-                        text.append(self.image_token * self.image_seq_length + "\n")
+                        text.append(IMAGE_SLOT + "\n")
                     elif part.get("type") == "text":
-                        text.append(part.get("text", ""))
+                        text.append(str(part.get("text", "")).replace(IMAGE_SLOT, ""))
                     else:
                         raise DataError(f"{where}: unknown content part {part.get('type')!r} (image or text)")
                 content = "".join(text)
+            elif isinstance(content, str):
+                content = content.replace(IMAGE_SLOT, "")
             flat.append({**message, "content": content})
         if seen != images:
             raise DataError(f"{where}: {seen} image parts in the messages but {images} images given")
@@ -86,14 +103,28 @@ class VLMProcessor:
         self, messages: list[dict], images: int, assistant_only: bool = True, where: str = "record"
     ) -> tuple[list[int], list[bool]]:
         """Token ids and the targets mask of a chat with `images` image parts."""
-        document: Document = render_chat(self.tokenizer, self.flatten(messages, images, where), assistant_only, where)
+        flat = self.flatten(messages, images, where)
+        document: Document = render_chat(self.tokenizer, flat, assistant_only, where, encode=self.encode_rendered)
         # Placeholders are never targets (their id lies past the LM's vocabulary).
         return document.ids, [m and t != self.image_token_id for t, m in zip(document.ids, document.mask)]
 
     def prompt(self, messages: list[dict], images: list[Image.Image]) -> dict:
         """Generation inputs for one chat: input_ids (1, n) ending in the assistant prompt, and pixel_values."""
-        ids = chat_ids(self.tokenizer, self.flatten(messages, len(images), "prompt"), generation_prompt=True)
+        flat = self.flatten(messages, len(images), "prompt")
+        ids = chat_ids(self.tokenizer, flat, generation_prompt=True, encode=self.encode_rendered)
         return {"input_ids": torch.tensor([ids]), "pixel_values": self.pixels(images) if images else None}
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat's ids: each image slot becomes its run of placeholders."""
+        ids: list[int] = []
+        for index, piece in enumerate(text.split(IMAGE_SLOT)):
+            if index:
+                ids += [self.image_token_id] * self.image_seq_length
+            ids += self.text_ids(piece)
+        return ids
+
+    def text_ids(self, text: str) -> list[int]:
+        return text_ids(self.tokenizer, text, self.image_token)
 
     def pixels(self, images: list) -> torch.Tensor:
         if not images:
