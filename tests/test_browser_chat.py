@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 
@@ -10,7 +11,10 @@ from PIL import Image
 
 pytest.importorskip("playwright", reason="Playwright for Python is not installed (pip install -e '.[dev]')")
 if shutil.which("chromium") is None:
-    pytest.skip("no Chromium binary (Debian: apt install chromium)", allow_module_level=True)
+    # .ci/run installs Chromium, so in CI a missing browser is a broken set-up, never a pass.
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI=true but no Chromium binary: .ci/run should have installed Debian's chromium")
+    pytest.skip("no Chromium binary (Debian: apt install chromium; .ci/run installs it)", allow_module_level=True)
 
 from test_chat_app import chatty_vlm  # noqa: F401  (a fixture: a tiny VLM whose replies are printable)
 
