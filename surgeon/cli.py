@@ -121,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="alias, model folder or .gguf file")
     p.add_argument("--data", required=True, nargs="+", help="text files or globs to measure on")
     p.add_argument("--tokens", type=int, default=8192, help="tokens to measure on (default 8192)")
+    p.add_argument(
+        "--heldout",
+        nargs="+",
+        help="text files or globs the suggested recipe's evaluate steps read (must not overlap --data)",
+    )
     p.add_argument("--out", help="report folder (default out/analysis-MODEL)")
     p.set_defaults(handler=_analyze)
 
@@ -174,11 +179,12 @@ def _analyze(args) -> None:
     from .analysis import analyze
 
     out = args.out or f"out/analysis-{Path(args.model).name}"
-    report = analyze(args.model, args.data, out, tokens=args.tokens)
+    report = analyze(args.model, args.data, out, tokens=args.tokens, heldout_files=args.heldout)
     print(f"suggestion: {report.suggestion.summary()}")
     for reason in report.suggestion.reasons:
         print(f"    {reason}")
-    print(f"report: {report.html}\nrecipe: {report.recipe}\nin {report.seconds:.0f} s")
+    recipe = report.recipe or "none (see the reasons above)"
+    print(f"report: {report.html}\nrecipe: {recipe}\nin {report.seconds:.0f} s")
 
 
 def _push(args) -> None:

@@ -126,6 +126,11 @@ def is_sparse_base(model_type: str | None) -> bool:
     return _flag(model_type, "sparse_base")
 
 
+def is_sparse_export(model_type: str | None) -> bool:
+    """A model sparse_attention made (its config carries the indexers' settings)."""
+    return model_type == SURGEON_SPARSE_LLAMA
+
+
 def sparse_base_types() -> tuple[str, ...]:
     return _where("sparse_base")
 

@@ -55,6 +55,14 @@ def test_mqa_export_is_the_standard_architecture(write_recipe, tiny_models, text
     assert errors["svd"]["v"] <= errors["mean"]["v"] + 1e-9
     if family in ("llama", "qwen2"):
         assert errors["svd"]["k"] <= errors["mean"]["k"] + 1e-9
+    # The card shows the KV plot surgeon analyze draws: per layer, how alike the heads were and the
+    # energy the svd merge to 1 head lost, on the calibration text.
+    similarity, lost = entry["details"]["kv_head_similarity"], entry["details"]["kv_merge_energy_lost"]
+    layers = result.patient.parent.config.num_hidden_layers
+    assert len(similarity["k"]) == len(similarity["v"]) == layers and all(-1 <= c <= 1 for c in similarity["k"])
+    assert set(lost) == {"1"} and all(0 <= x <= 1 for x in lost["1"]["v"])
+    assert (result.target / "kv-head-similarity-1.png").is_file()
+    assert "kv-head-similarity-1.png" in (result.target / "README.md").read_text()
 
 
 def test_svd_is_exact_when_heads_share_a_subspace(tiny_models, tokenizer_dir):

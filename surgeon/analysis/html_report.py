@@ -33,7 +33,9 @@ def render_html(
         "<h2>Per layer</h2>",
         _table(m),
         "<h2>Suggested recipe</h2>",
-        f"<p><code>suggested-recipe.yaml</code></p><pre>{html.escape(recipe)}</pre>",
+        f"<p><code>suggested-recipe.yaml</code></p><pre>{html.escape(recipe)}</pre>"
+        if recipe
+        else "<p>None: see the reasons above.</p>",
         "</body></html>",
     ]
     return "\n".join(parts)

@@ -17,11 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import families
 from ..modeling.sparse_attention import sparse_modules
-from ..surgery import architecture
-from ..surgery.kv_heads import merge_keys, merge_values, relative_error
-from ..surgery.kv_merge import key_input_covariance
+from ..surgery.kv_merge import key_input_covariance, kv_head_similarity, svd_merge_loss
 from ..surgery.layer_scores import angular_distances, boundary_statistics
 from ..training.indexer import measure_recall
 
@@ -68,48 +65,3 @@ def measure(model, windows: torch.Tensor) -> LayerMeasures:
 
 def _recall(model, windows: torch.Tensor) -> dict[int, float]:
     return {int(k): float(v) for k, v in measure_recall(model, windows).items()}
-
-
-def kv_head_similarity(model, sigmas: list[torch.Tensor]) -> dict[str, list[float]]:
-    """Per layer, the mean over pairs of KV heads of cos(head i's outputs, head j's outputs)."""
-    hd = architecture.head_dim(model.config)
-    result = {"k": [], "v": []}
-    for layer, sigma in zip(model.base_model.layers, sigmas, strict=True):
-        for kind in ("k", "v"):
-            heads = _with_bias(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
-            projected = [w @ sigma for w in heads]
-            gram = torch.tensor([[float((p * w).sum()) for w in heads] for p in projected])
-            norms = gram.diagonal().clamp_min(1e-30).sqrt()
-            cos = gram / (norms[:, None] * norms[None, :])
-            pairs = torch.triu_indices(len(heads), len(heads), offset=1)
-            result[kind].append(cos[pairs[0], pairs[1]].mean().item())
-    return result
-
-
-def svd_merge_loss(model, sigmas: list[torch.Tensor], target: int) -> dict[str, list[float]]:
-    """Per layer, the share of K and V output energy lost when merging to `target` heads with the svd
-    init (mean keys where a per-head norm forbids the key map, as reduce_kv_heads does)."""
-    config = model.config
-    hd = architecture.head_dim(config)
-    r = config.num_key_value_heads // target
-    key_init = "mean" if families.has_qk_norm(config.model_type) else "svd"
-    result = {"k": [], "v": []}
-    for layer, sigma in zip(model.base_model.layers, sigmas, strict=True):
-        for kind, merger, init in (("k", merge_keys, key_init), ("v", merge_values, "svd")):
-            heads = _with_bias(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
-            lost = total = 0.0
-            for group in range(target):
-                weights = list(heads[group * r : (group + 1) * r])
-                err, tot = relative_error(weights, merger(weights, sigma, init), sigma)
-                lost, total = lost + err, total + tot
-            result[kind].append(lost / total if total else 0.0)
-    return result
-
-
-def _with_bias(linear: torch.nn.Linear) -> torch.Tensor:
-    """[out, in + 1] in float64, the bias (or zeros) as the last column, matching the covariance."""
-    weight = linear.weight.detach().double()
-    bias = (
-        linear.bias.detach().double() if linear.bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
-    )
-    return torch.cat([weight, bias[:, None]], dim=1)

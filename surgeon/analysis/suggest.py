@@ -21,22 +21,37 @@ from ..recipe.layer_spec import format_ranges
 from .measures import LayerMeasures
 
 MAX_ANGULAR = 0.15
+MIN_RECALL = 0.8  # a sparse layer keeping less of the dense attention mass stays dense
 MAX_MERGE_LOSS = 0.25
 DROP_SHARE = 5  # at most 1/5 of the layers
 
 
 @dataclass
 class Suggestion:
-    drop: list[int]
+    drop: list[int]  # empty for a sparse export (it takes no layer surgery)
     kv_heads: int | None  # None: keep them all
     reasons: list[str] = field(default_factory=list)
+    sparse: dict | None = None  # a sparse export: sparse_attention's parameters for the rebuild
+    origin: str | None = None  # ...and the dense model to rebuild it from (None: unknown, no recipe)
+
+    @property
+    def has_recipe(self) -> bool:
+        return bool(self.drop) or (self.sparse is not None and self.origin is not None)
 
     def summary(self) -> str:
+        if self.sparse is not None or not self.drop:
+            layers = format_ranges(self.sparse["layers"]) if self.sparse else "none"
+            return f"sparse attention on layers {layers}" + (f", rebuilt from {self.origin}" if self.origin else "")
         kv = f"merge to {_heads(self.kv_heads)}" if self.kv_heads else "keep all KV heads"
         return f"drop layers {format_ranges(self.drop)}; {kv}"
 
 
-def suggest(m: LayerMeasures) -> Suggestion:
+def suggest(m: LayerMeasures, config=None, origin: str | None = None) -> Suggestion:
+    """What to do next. A sparse-attention export takes no layer surgery itself: its suggestion
+    rebuilds it from `origin` (the dense model it was made from), sparse only where the measured
+    recall says selection keeps the attention (see suggest_sparse)."""
+    if config is not None and families.is_sparse_export(config.model_type):
+        return suggest_sparse(m, config, origin)
     best = {n: min(range(len(d)), key=d.__getitem__) for n, d in m.angular.items()}
     limit = max(1, m.layers // DROP_SHARE)
     fits = [n for n in range(1, limit + 1) if n in m.angular and m.angular[n][best[n]] <= MAX_ANGULAR]
@@ -65,21 +80,63 @@ def suggest(m: LayerMeasures) -> Suggestion:
     return Suggestion(drop, kv, reasons)
 
 
+def suggest_sparse(m: LayerMeasures, config, origin: str | None) -> Suggestion:
+    spec = dict(config.sparse_attention)
+    measured = sorted(m.recall or {})
+    keep = [layer for layer in measured if m.recall[layer] >= MIN_RECALL]
+    dense = [layer for layer in measured if m.recall[layer] < MIN_RECALL]
+    params = {k: spec[k] for k in ("top_k", "sinks", "window", "index_heads", "index_dim", "rope_dim") if k in spec}
+    reasons = [
+        f"sparse layers whose top-{spec.get('top_k')} selection keeps at least {MIN_RECALL:.0%} of the dense "
+        f"attention mass: {format_ranges(keep) if keep else 'none'}"
+        + (f"; {format_ranges(dense)} fall below and stay dense" if dense else "")
+    ]
+    if origin is None:
+        reasons.append(
+            "no recipe: the export's report.json names no dense base surgeon can find, and a sparse model takes "
+            "no layer surgery itself"
+        )
+    else:
+        reasons.append(f"rebuilt from {origin}, the dense model the export's report.json names")
+    return Suggestion([], None, reasons, sparse={**params, "layers": keep} if keep else None, origin=origin)
+
+
 def recipe_text(
-    s: Suggestion, name: str, model_spec: str, model_type: str, data_files: list[Path], recipe_dir: Path, tokens: int
+    s: Suggestion,
+    name: str,
+    model_spec: str,
+    model_type: str,
+    data_files: list[Path],
+    recipe_dir: Path,
+    tokens: int,
+    heldout_files: list[Path] | None = None,
 ) -> str:
-    """The suggested recipe as YAML, paths relative to `recipe_dir` (where it is written)."""
-    text = [_relative(f, recipe_dir) for f in data_files]
-    text = text[0] if len(text) == 1 else text
+    """The suggested recipe as YAML, paths relative to `recipe_dir` (where it is written). Surgery
+    calibrates and healing trains on `data_files`; evaluate steps read `heldout_files` if given."""
+    text = _text_value(data_files, recipe_dir)
     calibration = {"text": text, "tokens": tokens}
+    if s.sparse is not None:
+        model_spec = s.origin
     base = model_spec if not Path(model_spec).expanduser().exists() else _relative(Path(model_spec), recipe_dir)
-    drop = {"layers": [s.drop[0] if len(s.drop) == 1 else f"{s.drop[0]}-{s.drop[-1]}"]}
-    if families.is_bridgeable(model_type) and s.drop[0] > 0:
-        drop.update(calibration=calibration, bridge="linear")
-    steps = [{"drop_layers": drop}]
+    measured_on = {"text": _text_value(heldout_files, recipe_dir), "tokens": tokens} if heldout_files else calibration
+    steps = []
+    if s.sparse is not None:
+        warmup = {
+            "data": calibration,
+            "heldout_windows": 2,
+            "steps": 100,
+            "batch_size": 4,
+            "optimizer": {"lr": 2.0e-3, "warmup_steps": 10},
+        }
+        steps.append({"sparse_attention": {**s.sparse, "recall": measured_on, "warmup": warmup}})
+    if s.drop:
+        drop = {"layers": [s.drop[0] if len(s.drop) == 1 else f"{s.drop[0]}-{s.drop[-1]}"]}
+        if families.is_bridgeable(model_type) and s.drop[0] > 0:
+            drop.update(calibration=calibration, bridge="linear")
+        steps.append({"drop_layers": drop})
     if s.kv_heads:
         steps.append({"reduce_kv_heads": {"kv_heads": s.kv_heads, "init": "svd", "calibration": calibration}})
-    evaluate = {"evaluate": {"data": calibration}}
+    evaluate = {"evaluate": {"data": measured_on}}
     steps += [
         evaluate,
         {
@@ -100,12 +157,22 @@ def recipe_text(
         "base": base,
         "steps": steps,
     }
+    fairness = (
+        "# The evaluate steps read the held-out text (--heldout), which nothing here trains or calibrates on."
+        if heldout_files
+        else "# The evaluate steps read the analysis text: give --heldout text (or edit them) for a fair measure."
+    )
     header = [
         "# Suggested by `surgeon analyze` from the curves in report.html; edit before running.",
         *[f"# - {reason}" for reason in s.reasons],
-        "# The evaluate steps read the analysis text: point them at held-out text for a fair measure.",
+        fairness,
     ]
     return "\n".join(header) + "\n" + yaml.dump(recipe, Dumper=_NoAliases, sort_keys=False, width=100)
+
+
+def _text_value(files: list[Path], recipe_dir: Path) -> str | list[str]:
+    text = [_relative(f, recipe_dir) for f in files]
+    return text[0] if len(text) == 1 else text
 
 
 def _heads(count: int) -> str:

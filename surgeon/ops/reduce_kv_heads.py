@@ -22,7 +22,7 @@ from ..recipe.step import ModelState, Operation, StepContext, register
 from ..surgery import architecture
 from ..surgery.attention_fit import capture_attention, fit_attention
 from ..surgery.kv_heads import INITS
-from ..surgery.kv_merge import attention_input_covariance, merge_kv_heads
+from ..surgery.kv_merge import attention_input_covariance, kv_head_similarity, merge_kv_heads, svd_merge_loss
 from ..text import TextData, describe_files
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,12 @@ class ReduceKVHeads(Operation):
             state, errors = merge_kv_heads(model, params.kv_heads, init, sigmas)
             return architecture.assemble(new_config, state, model.generation_config), errors
 
+        # What the card's KV plot shows (as surgeon analyze draws it): how alike each layer's heads
+        # are, and the energy the svd merge to this many heads loses, on the calibration text.
+        similarity = merge_loss = None
+        if sigmas is not None:
+            similarity = kv_head_similarity(model, sigmas)
+            merge_loss = {str(params.kv_heads): svd_merge_loss(model, sigmas, params.kv_heads)}
         stages, measured = self._compare_inits(params, patient, ctx, build, with_svd=sigmas is not None)
         init = min(measured, key=lambda n: measured[n]["kl_mean"]) if params.init == "best" else params.init
         reduced, errors = build(init)
@@ -129,6 +135,8 @@ class ReduceKVHeads(Operation):
                 "compare": measured,
                 "fit": fitted,
                 "kv_cache_bytes_per_token": {"before": per_token * kv, "after": per_token * params.kv_heads},
+                "kv_head_similarity": similarity,
+                "kv_merge_energy_lost": merge_loss,
             },
         )
         result = patient.with_model(reduced, entry)
