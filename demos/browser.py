@@ -13,9 +13,28 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-dev-shm-usage"]
+
+
+# Cells of the model card's tables whose text takes more than one line (a squeezed column).
+CARD_CELLS = "#model-card-text table th, #model-card-text table td"
+WRAPPED_CELLS_JS = """() => Array.from(document.querySelectorAll('CELLS'))
+  .filter(cell => {
+    const range = document.createRange();
+    range.selectNodeContents(cell);
+    return new Set(Array.from(range.getClientRects()).map(r => Math.round(r.top))).size > 1;
+  })
+  .map(cell => cell.innerText.trim())""".replace("CELLS", CARD_CELLS)
+
+
+class Visit(NamedTuple):
+    answer: str  # the final answer
+    seen: list[str]  # every distinct answer text seen while it streamed
+    wrapped_cells: list[str]  # model-card table cells that wrapped at this viewport
+    card_cells: int  # model-card table cells on the page
 
 
 def bot_text(page) -> str:
@@ -31,9 +50,8 @@ def ask(
     timeout: float = 120.0,
     settle: float = 3.0,
     chromium: str = CHROMIUM,
-) -> tuple[str, list[str]]:
-    """(final answer, every distinct answer text seen while it streamed). The answer is final once
-    it has not changed for `settle` seconds."""
+) -> Visit:
+    """Ask at a 1280 x 900 viewport; the answer is final once it has not changed for `settle` seconds."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -58,7 +76,8 @@ def ask(
                 time.sleep(0.05)
             page.evaluate("window.scrollTo(0, 0)")
             page.screenshot(path=str(screenshot))
-            return bot_text(page), seen
+            cells = page.locator(CARD_CELLS).count()
+            return Visit(bot_text(page), seen, page.evaluate(WRAPPED_CELLS_JS), cells)
         finally:
             browser.close()
 
@@ -77,8 +96,10 @@ def main(argv: list[str]) -> None:
     port = free_port()
     demo.launch(prevent_thread_lock=True, server_port=port, quiet=True)
     try:
-        answer, _ = ask(f"http://127.0.0.1:{port}/", question, Path(image), Path(screenshot))
-        print(f"answer: {answer!r}; screenshot: {screenshot}")
+        visit = ask(f"http://127.0.0.1:{port}/", question, Path(image), Path(screenshot))
+        print(f"answer: {visit.answer!r}; screenshot: {screenshot}")
+        if visit.wrapped_cells:
+            print(f"model-card cells that wrap at 1280 px: {visit.wrapped_cells}")
     finally:
         demo.close()
         demo.session.close()

@@ -43,7 +43,7 @@ def build_demo(model: str | None = None, *, engine_options: dict | None = None) 
         eyes = "reads images" if session.is_vlm else "text only"
         line = f"**Model: {session.name}** ({eyes}) — {session.choice.why}."
         plots = [(Image.open(png), caption) for png, caption in card.plots]
-        return line, card.markdown, plots
+        return line, card.markdown, card.all_metrics or "No KL measurements in this card.", plots
 
     with gr.Blocks(title="model-surgeon") as demo:
         with gr.Tabs() as tabs:
@@ -84,10 +84,12 @@ def build_demo(model: str | None = None, *, engine_options: dict | None = None) 
                         )
                     with gr.Column(scale=2, elem_id="model-card"):
                         card_text = gr.Markdown(elem_id="model-card-text")
+                        with gr.Accordion("All metrics", open=False, elem_id="all-metrics"):
+                            all_metrics = gr.Markdown(elem_id="all-metrics-text")
                         plots = gr.Gallery(label="Plots", columns=1, height="auto", elem_id="model-card-plots")
             with gr.Tab("Recipe studio", id="studio"):
-                build_studio(session, shown_model, tabs=tabs, shown=[model_line, card_text, plots])
-        demo.load(shown_model, outputs=[model_line, card_text, plots])
+                build_studio(session, shown_model, tabs=tabs, shown=[model_line, card_text, all_metrics, plots])
+        demo.load(shown_model, outputs=[model_line, card_text, all_metrics, plots])
     demo.session = session  # so a caller (a test, the CLI) can close the engine thread
     return demo
 

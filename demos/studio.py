@@ -1,5 +1,5 @@
 """The recipe studio tab: edit a recipe, see its plan (or its errors, with file:line) as you type,
-run it with a progress bar and a live loss plot, then open the export in the chat tab."""
+run it with a progress bar and a live loss plot (and stop it), then open the export in the chat tab."""
 
 from __future__ import annotations
 
@@ -41,11 +41,19 @@ def save_recipe(path: str, text: str) -> str:
     return f"saved {target}"
 
 
-def run_studio_recipe(path: str, text: str, overwrite: bool, progress=gr.Progress()):  # noqa: B008 - Gradio finds its tracker by this default
-    """Yields (status, loss table, open-button update, export path) as the run goes."""
+def run_studio_recipe(
+    path: str,
+    text: str,
+    overwrite: bool,
+    progress=gr.Progress(),  # noqa: B008 - Gradio finds its tracker by this default
+    stop: threading.Event | None = None,
+):
+    """Yields (status, loss table, open-button update, export path) as the run goes. Setting
+    `stop` ends the run at its next check (after a training step, or between steps)."""
+    from surgeon.errors import RunCancelled
     from surgeon.recipe.run import run_recipe
     from surgeon.recipe.schema import load_recipe
-    from surgeon.training.progress import watch_training
+    from surgeon.training.progress import cancellable, watch_training
 
     try:
         recipe = load_recipe(_recipe_path(path), text)
@@ -55,8 +63,10 @@ def run_studio_recipe(path: str, text: str, overwrite: bool, progress=gr.Progres
 
     def work():  # the run on a thread of its own, so this generator can stream what it reports
         try:
-            with watch_training(events.put):
+            with watch_training(events.put), cancellable(stop or threading.Event()):
                 events.put(("done", run_recipe(recipe, overwrite=overwrite)))
+        except RunCancelled as exc:
+            events.put(("cancelled", exc))
         except Exception as exc:  # shown in the status box; the studio stays up
             events.put(("failed", exc))
 
@@ -75,6 +85,10 @@ def run_studio_recipe(path: str, text: str, overwrite: bool, progress=gr.Progres
             yield status, _loss_table(points), gr.update(), None
             continue
         kind, payload = event
+        if kind == "cancelled":
+            note = "nothing exported; a heal's checkpoint is kept (`surgeon run --resume` continues it)"
+            yield f"stopped: {payload}; {note}", _loss_table(points), gr.update(interactive=False), None
+            return
         if kind == "failed":
             yield f"failed: {payload}", _loss_table(points), gr.update(interactive=False), None
             return
@@ -108,6 +122,7 @@ def build_studio(session, shown_model, *, tabs: gr.Tabs, shown: list) -> None:
             with gr.Row():
                 overwrite = gr.Checkbox(label="overwrite an existing export", elem_id="studio-overwrite")
                 run = gr.Button("Run", variant="primary", elem_id="studio-run")
+                stop = gr.Button("Stop", variant="stop", elem_id="studio-stop")
             status = gr.Textbox(label="status", lines=4, elem_id="studio-status")
             loss = gr.LinePlot(
                 _loss_table([]), x="step", y="loss", color="loop", label="training loss", elem_id="studio-loss"
@@ -118,23 +133,48 @@ def build_studio(session, shown_model, *, tabs: gr.Tabs, shown: list) -> None:
     load.click(read_recipe, path, editor).then(plan_text, [path, editor], plan)
     save.click(save_recipe, [path, editor], status)
     editor.change(plan_text, [path, editor], plan, trigger_mode="always_last", show_progress="hidden")
+    switch = StopSwitch()
+
+    def run_recipe_here(path, text, overwrite, progress=gr.Progress()):  # noqa: B008 - as above
+        yield from run_studio_recipe(path, text, overwrite, progress, stop=switch.arm())
+
     run.click(
-        run_studio_recipe,
+        run_recipe_here,
         [path, editor, overwrite],
         [status, loss, open_chat, target],
         concurrency_limit=1,
         concurrency_id="studio-run",
     )
+    stop.click(switch.pull, None, None)
 
     def open_in_chat(folder):
-        if not folder:
-            raise gr.Error("run a recipe first")
-        session.open(ModelChoice(folder, "the export the studio just made"))
+        open_export(session, folder)
         return gr.Tabs(selected="chat"), *shown_model()
 
     open_chat.click(open_in_chat, target, [tabs, *shown])
     # The first plan, once the page is up (load() of the Blocks would need the Blocks here).
     plan.value = plan_text(start, editor.value) if editor.value else ""
+
+
+class StopSwitch:
+    """The Stop button's switch for the studio's one run at a time (its click has concurrency 1)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def arm(self) -> threading.Event:
+        self.event = threading.Event()  # a fresh switch per run: an old press does not stop the next
+        return self.event
+
+    def pull(self) -> None:
+        self.event.set()
+
+
+def open_export(session, folder: str | None) -> None:
+    """Serve the studio's export in the chat tab from now on."""
+    if not folder:
+        raise gr.Error("run a recipe first")
+    session.open(ModelChoice(folder, "the export the studio just made"))
 
 
 def _recipe_path(path: str) -> Path:

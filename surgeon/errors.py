@@ -23,6 +23,10 @@ class DataError(SurgeonError):
     """Calibration or evaluation data that is missing or too small."""
 
 
+class RunCancelled(SurgeonError):
+    """The run was stopped on request (the studio's Stop); nothing was exported."""
+
+
 class ExportError(SurgeonError):
     """An export or upload that cannot be done; nothing was written."""
 

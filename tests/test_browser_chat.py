@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -22,15 +24,42 @@ from surgeon.demos.browser import CHROMIUM, ask, free_port
 from surgeon.demos.chat import build_demo
 
 
+def _with_a_model_card(model: Path, folder: Path) -> Path:
+    """A copy of `model` with the card an export carries: KL stages, instruction checks, a heal."""
+    from surgeon.report.card import render_card
+
+    shutil.copytree(model, folder)
+    kl = {"kl_mean": 0.3524, "kl_median": 0.2389, "kl_p99": 2.0355, "top1_agreement": 0.6666}
+    kl |= {"ppl": 46.31, "ppl_parent": 39.31, "tokens": 4088}
+    stages = [
+        {"name": name, "data": "persuasion.txt", "kind": "kl", "metrics": kl}
+        for name in ("after drop_layers", "after heal", "reduce_kv_heads init svd")
+    ]
+    shape = {"layers": 24, "heads": 9, "kv_heads": 3, "params": 113_300_000}
+    report = {
+        "name": "card-test",
+        "base": {"label": "smollm2-135m-instruct"},
+        "stages": stages,
+        "shape": {"before": shape, "after": shape},
+        "provenance": [],
+    }
+    (folder / "report.json").write_text(json.dumps(report))
+    (folder / "README.md").write_text(render_card(report, "name: card-test", []))
+    return folder
+
+
 def test_the_browser_uploads_an_image_and_sees_the_streamed_answer(chatty_vlm, tmp_path):  # noqa: F811
     png = tmp_path / "blue.png"
     Image.new("RGB", (64, 64), (20, 40, 230)).save(png)
-    demo = build_demo(str(chatty_vlm), engine_options={"kv_cache_tokens": 1024})
+    model = _with_a_model_card(chatty_vlm, tmp_path / "with-card")
+    demo = build_demo(str(model), engine_options={"kv_cache_tokens": 1024})
     port = free_port()
     demo.launch(prevent_thread_lock=True, server_port=port, quiet=True)
     try:
         shot = tmp_path / "chat.png"
-        answer, seen = ask(f"http://127.0.0.1:{port}/", "What colour is this?", png, shot, chromium=CHROMIUM)
+        answer, seen, wrapped, cells = ask(
+            f"http://127.0.0.1:{port}/", "What colour is this?", png, shot, chromium=CHROMIUM
+        )
     finally:
         demo.close()
         demo.session.close()
@@ -38,3 +67,5 @@ def test_the_browser_uploads_an_image_and_sees_the_streamed_answer(chatty_vlm, t
     assert all(later.startswith(earlier) for earlier, later in zip(seen, seen[1:]))  # it only grew
     header = shot.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (1280, 900)
+    # The card panel's metrics table reads at 1280 px: no header or number broken over lines.
+    assert cells >= 4 * 4 and wrapped == [], wrapped

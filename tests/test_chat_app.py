@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import textwrap
+import threading
+from pathlib import Path
 
+import gradio as gr
 import pytest
 import torch
 from PIL import Image
@@ -12,11 +16,14 @@ from PIL import Image
 gradio_client = pytest.importorskip("gradio_client")
 
 from surgeon.demos.chat import build_demo  # noqa: E402
-from surgeon.demos.model_choice import choose_model  # noqa: E402
-from surgeon.demos.studio import plan_text  # noqa: E402
+from surgeon.demos.model_choice import ModelChoice, choose_model  # noqa: E402
+from surgeon.demos.session import ChatSession  # noqa: E402
+from surgeon.demos.studio import open_export, plan_text  # noqa: E402
+from surgeon.engine import SamplingParams  # noqa: E402
 
 ENGINE = {"kv_cache_tokens": 1024}
 GREEDY = (0, 1, 0)  # temperature, top-p, top-k
+GREEDY_PARAMS = SamplingParams(temperature=0, max_tokens=4)
 
 
 def _free_port() -> int:
@@ -179,3 +186,51 @@ def test_studio_run_streams_loss_and_exports(tiny_llama, text_dir, tmp_path, mon
     status, _, _, target = updates[-1]
     assert status.startswith(f"exported {tmp_path / 'out' / 'studio-heal'}") and target
     assert (tmp_path / "out" / "studio-heal" / "model.safetensors").is_file()
+
+    # "Open the result in the chat": the chat's engine now serves the export and answers from it.
+    session = ChatSession(ModelChoice(str(tiny_llama), "the base model"), ENGINE)
+    try:
+        before = session.name
+        open_export(session, target)
+        assert session.choice.path == target and session.choice.why == "the export the studio just made"
+        assert session.name != before and session.name == Path(target).name
+
+        async def reply():
+            return "".join([p async for p in session.stream([{"role": "user", "content": "hi"}], [], GREEDY_PARAMS)])
+
+        assert isinstance(asyncio.run(reply()), str)
+        with pytest.raises(gr.Error, match="run a recipe first"):
+            open_export(session, None)
+    finally:
+        session.close()
+
+
+def test_studio_stop_ends_the_run_at_the_next_step_and_exports_nothing(tiny_llama, text_dir, tmp_path, monkeypatch):
+    from surgeon.demos.studio import run_studio_recipe
+
+    monkeypatch.chdir(tmp_path)
+    recipe = textwrap.dedent(f"""\
+        name: studio-stop
+        base: {tiny_llama}
+        steps:
+          - heal:
+              data: {{sources: [{{text: {text_dir}/calibration.txt}}], window: 64, heldout_windows: 0}}
+              train: {{params: ["model.layers.[2-3]"]}}
+              steps: 200
+              batch_size: 2
+              precision: fp32
+              log_every: 1
+          - evaluate: {{data: {{text: {text_dir}/heldout.txt, tokens: 128, window: 64}}}}
+        """)
+    stop = threading.Event()
+    updates = []
+    for update in run_studio_recipe(str(tmp_path / "studio.yaml"), recipe, False, stop=stop):
+        updates.append(update)
+        if len(update[1]) == 2:  # two loss points in: press Stop
+            stop.set()
+    status, table, _, target = updates[-1]
+    assert status.startswith("stopped: cancelled at") and "nothing exported" in status, status
+    assert 2 <= len(table) < 10 and target is None
+    assert not (tmp_path / "out" / "studio-stop").exists()
+    # The heal's checkpoint is kept, so `surgeon run --resume` continues where Stop left it.
+    assert any((tmp_path / "out").glob("studio-stop*checkpoints*"))

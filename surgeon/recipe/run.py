@@ -15,9 +15,10 @@ from accelerate import PartialState
 
 from .. import __version__
 from ..checkpoints.export import check_target, export_model, push_folder
-from ..errors import ExportError, ParamError, RecipeError, SurgeonError
+from ..errors import ExportError, ParamError, RecipeError, RunCancelled, SurgeonError
 from ..ops import OPERATIONS
 from ..paths import user_path
+from ..training.progress import check_cancelled
 from .patient import Patient
 from .plan import Plan, plan_recipe
 from .schema import Recipe
@@ -68,10 +69,13 @@ def run_recipe(
     patient = Patient.from_source(plan.base)
     timings = {"load_s": round(time.perf_counter() - started, 2)}
     for step, ctx in zip(recipe.steps, plan.contexts, strict=True):
+        check_cancelled(f"before {step.label}")
         log.info("%s", step.label)
         step_started = time.perf_counter()
         try:
             patient = OPERATIONS[step.op].apply(step.params, patient, ctx)
+        except RunCancelled:
+            raise
         except ParamError as exc:
             here = ("steps", step.index, step.op)
             raise RecipeError([recipe.problem(here + exc.path, exc.message, node=here + exc.node)]) from exc

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import SurgeonError
+from ..errors import RunCancelled, SurgeonError
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .progress import report_step
 
@@ -129,7 +129,7 @@ def drive(
             if step % spec.checkpoint_every == 0 or step == spec.steps or result.stopped_early:
                 run.save(step)
                 saved_at = step
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RunCancelled):
         if step > saved_at:
             run.save(step)  # the state after the last whole step, so --resume loses nothing
             log.warning("interrupted: checkpoint saved at step %d; continue with --resume", step)
