@@ -14,9 +14,8 @@ import logging
 from contextlib import nullcontext
 
 import torch
-from tqdm.auto import tqdm
 
-from ..modeling.towers import TimmTower
+from ..vision.features import tower_features
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .loop import LoopSpec
 
@@ -66,32 +65,9 @@ class Batches:
         self.cached: dict[str, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
         if cache_tower:
             for split, items in examples.items():
-                self.cached[split] = self._tower_outputs(items, split)
-
-    @torch.no_grad()
-    def _tower_outputs(self, items, split: str):
-        tower = self.vlm.vision_tower
-        cnn = isinstance(tower, TimmTower) and not hasattr(tower.model, "patch_embed")
-        if cnn:  # depthwise convolutions run ~2x faster on CPU in channels_last
-            tower.to(memory_format=torch.channels_last)
-        spans, loaders = [], []
-        for example in items:
-            spans.append((len(loaders), len(loaders) + len(example.images)))
-            loaders.extend(example.images)
-        outputs = []
-        dtype = self.vlm.projector_dtype
-        try:
-            for start in tqdm(range(0, len(loaders), 32), desc=f"tower features ({split})", unit="batch", leave=False):
-                pixels = self.processor.pixels([load() for load in loaders[start : start + 32]]).to(self.device, dtype)
-                if cnn:
-                    pixels = pixels.contiguous(memory_format=torch.channels_last)
-                # Kept in bf16: half of fp32's memory (5,000 images of 64 x 1280 take 0.8 GB), and
-                # the rounding is far below what separates one image's features from another's.
-                outputs.append(tower(pixels).to(torch.bfloat16 if dtype == torch.float32 else dtype).cpu())
-        finally:
-            if cnn:
-                tower.to(memory_format=torch.contiguous_format)
-        return (torch.cat(outputs) if outputs else torch.empty(0)), spans
+                self.cached[split] = tower_features(
+                    vlm, processor, items, device=device, desc=f"tower features ({split})"
+                )
 
     def batch(self, split: str, indices: list[int]) -> dict:
         items = [self.examples[split][i] for i in indices]

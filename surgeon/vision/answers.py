@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from .features import tower_features
 from .image_set import VisionExample
 
 MAX_NEW_TOKENS = 8
@@ -28,19 +29,9 @@ def normalise(text: str) -> str:
 
 @torch.no_grad()
 def tower_outputs(vlm, processor, examples: list[VisionExample], batch: int = 32) -> list[torch.Tensor]:
-    """Per example, its images' tower tokens (images, tokens, channels)."""
-    loaders = [(i, load) for i, e in enumerate(examples) for load in e.images]
-    per_example: list[list[torch.Tensor]] = [[] for _ in examples]
-    dtype = vlm.projector_dtype
-    for start in tqdm(range(0, len(loaders), batch), desc="tower", unit="batch", leave=False):
-        chunk = loaders[start : start + batch]
-        pixels = processor.pixels([load() for _, load in chunk]).to(dtype)
-        with _autocast(vlm):
-            tokens = vlm.vision_tower(pixels)
-        for (i, _), t in zip(chunk, tokens):
-            per_example[i].append(t)
-    width = (vlm.config.vision_tokens, vlm.config.vision_hidden_size)
-    return [torch.stack(t) if t else torch.empty(0, *width) for t in per_example]
+    """Per example, its images' tower tokens (images, tokens, channels), as healing computes them."""
+    features, spans = tower_features(vlm, processor, examples, batch=batch, desc="tower")
+    return [features[start:end] for start, end in spans]
 
 
 @torch.no_grad()
