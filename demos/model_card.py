@@ -1,9 +1,10 @@
 """The side panel's content: an export's model card (what surgery was done, the metrics tables) and
 its plots. Anything that is not a surgeon export gets a line saying so.
 
-The card's full KL table has eight columns, which a 1280 px panel squeezes until its headers break
-letter by letter; the panel shows the three numbers a person reads first (KL, top-1 agreement,
-perplexity beside the parent's) and keeps the full table for an accordion below the card.
+The card's metrics tables are wide (the KL table has nine columns, the image-question table seven),
+and a 1280 px panel squeezed them until headers broke letter by letter. The panel shows the few
+numbers a person reads first (KL, top-1 agreement, perplexity beside the parent's; accuracy beside
+the shuffled-image control) and keeps the full tables for an accordion below the card.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KL_HEADING = "## Measured against the parent"
+VISION_HEADING = "## Image questions"
 
 
 @dataclass
 class ModelCard:
     markdown: str
     plots: list[tuple[Path, str]] = field(default_factory=list)  # (png, caption)
-    all_metrics: str = ""  # the card's full KL table (markdown), shown on demand
+    all_metrics: str = ""  # the card's full metrics tables (markdown), shown on demand
 
 
 def read_card(path: str) -> ModelCard:
@@ -32,22 +34,24 @@ def read_card(path: str) -> ModelCard:
         )
     plots = [(png, png.stem.replace("-", " ")) for png in sorted(folder.glob("*.png"))]
     card = _without_front_matter(readme.read_text(encoding="utf-8"))
-    stages = _kl_stages(folder / "report.json")
-    if not stages:
-        return ModelCard(card, plots)
-    before, full, after = _split_section(card, KL_HEADING)
-    return ModelCard(before + _compact_table(stages) + after, plots, full.removeprefix(KL_HEADING).lstrip())
+    stages = _stages(folder / "report.json")
+    full = []
+    for heading, kind, compact in ((KL_HEADING, "kl", _kl_table), (VISION_HEADING, "vision", _vision_table)):
+        chosen = [s for s in stages if s.get("kind", "kl") == kind]
+        if chosen:
+            card, section = _replace_section(card, heading, compact(chosen))
+            full.append(section)
+    return ModelCard(card, plots, "\n".join(full))
 
 
-def _kl_stages(report: Path) -> list[dict]:
+def _stages(report: Path) -> list[dict]:
     try:
-        stages = json.loads(report.read_text(encoding="utf-8"))["stages"]
+        return list(json.loads(report.read_text(encoding="utf-8"))["stages"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return [s for s in stages if s.get("kind", "kl") == "kl" and "kl_mean" in s.get("metrics", {})]
 
 
-def _compact_table(stages: list[dict]) -> str:
+def _kl_table(stages: list[dict]) -> str:
     lines = [
         KL_HEADING,
         "",
@@ -65,15 +69,41 @@ def _compact_table(stages: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _split_section(card: str, heading: str) -> tuple[str, str, str]:
-    """(the card before the section, the section, the card after it); no such section: it would
-    have come at the end."""
+def _vision_table(stages: list[dict]) -> str:
+    lines = [
+        VISION_HEADING,
+        "",
+        "Exact answers on held-out image questions, and the same questions about other images "
+        "(*shuffled*); chance and counts under *All metrics*.",
+        "",
+        "| questions | right | shuffled |",
+        "|---|---:|---:|",
+    ]
+    for stage in stages:
+        m = stage["metrics"]
+        sources = sorted(k.removesuffix("_accuracy") for k in m if k.endswith("_accuracy") and "_shuffled" not in k)
+        for source in sources:
+            kinds = sorted(k.removeprefix(f"{source}_accuracy_") for k in m if k.startswith(f"{source}_accuracy_"))
+            for kind in [""] + ([] if kinds == [source] else kinds):
+                suffix = f"_{kind}" if kind else ""
+                shuffled = m.get(f"{source}_shuffled_accuracy{suffix}")
+                label = f"{source} {kind}".strip() + (f" ({stage['name']})" if len(stages) > 1 else "")
+                lines.append(
+                    f"| {label} | {m[f'{source}_accuracy{suffix}']:.1%} | "
+                    f"{'' if shuffled is None else f'{shuffled:.1%}'} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def _replace_section(card: str, heading: str, compact: str) -> tuple[str, str]:
+    """(the card with that section replaced by `compact`, the section as it was). No such section:
+    the compact one goes at the end."""
     start = card.find(f"\n{heading}\n")
     if start == -1:
-        return card.rstrip() + "\n\n", "", ""
+        return card.rstrip() + "\n\n" + compact, ""
     end = card.find("\n## ", start + len(heading) + 2)
     end = len(card) if end == -1 else end
-    return card[: start + 1], card[start + 1 : end].strip() + "\n", card[end:]
+    return card[: start + 1] + compact + card[end:], card[start + 1 : end].strip() + "\n"
 
 
 def _without_front_matter(text: str) -> str:

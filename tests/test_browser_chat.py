@@ -25,7 +25,7 @@ from surgeon.demos.chat import build_demo
 
 
 def _with_a_model_card(model: Path, folder: Path) -> Path:
-    """A copy of `model` with the card an export carries: KL stages, instruction checks, a heal."""
+    """A copy of `model` with the card an export carries: KL stages and image questions."""
     from surgeon.report.card import render_card
 
     shutil.copytree(model, folder)
@@ -35,6 +35,12 @@ def _with_a_model_card(model: Path, folder: Path) -> Path:
         {"name": name, "data": "persuasion.txt", "kind": "kl", "metrics": kl}
         for name in ("after drop_layers", "after heal", "reduce_kv_heads init svd")
     ]
+    vision = {"synthetic_accuracy": 0.967, "synthetic_shuffled_accuracy": 0.192, "synthetic_chance": 0.272}
+    for kind, right in (("colour", 0.964), ("count", 0.94), ("shape", 0.995)):
+        vision |= {f"synthetic_accuracy_{kind}": right, f"synthetic_shuffled_accuracy_{kind}": 0.2}
+        vision |= {f"synthetic_examples_{kind}": 200}
+    vision |= {"mnist_accuracy": 0.934, "mnist_accuracy_mnist": 0.934, "mnist_shuffled_accuracy": 0.087}
+    stages.append({"name": "after heal", "data": "synthetic, mnist", "kind": "vision", "metrics": vision})
     shape = {"layers": 24, "heads": 9, "kv_heads": 3, "params": 113_300_000}
     report = {
         "name": "card-test",
@@ -68,4 +74,4 @@ def test_the_browser_uploads_an_image_and_sees_the_streamed_answer(chatty_vlm, t
     header = shot.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (1280, 900)
     # The card panel's metrics table reads at 1280 px: no header or number broken over lines.
-    assert cells >= 4 * 4 and wrapped == [], wrapped
+    assert cells >= 4 * 4 + 3 * 6 and wrapped == [], wrapped
