@@ -40,7 +40,7 @@ def read_card(path: str) -> ModelCard:
         chosen = [s for s in stages if s.get("kind", "kl") == kind]
         if chosen:
             card, section = _replace_section(card, heading, compact(chosen))
-            full.append(section)
+            full += [section] if section else []
     return ModelCard(card, plots, "\n".join(full))
 
 

@@ -49,7 +49,8 @@ def run_studio_recipe(
     stop: threading.Event | None = None,
 ):
     """Yields (status, loss table, open-button update, export path) as the run goes. Setting
-    `stop` ends the run at its next check (after a training step, or between steps)."""
+    `stop` ends the run at its next check (after a training step, or between steps); so does
+    closing this generator (the page went away), so no run outlives the one that watched it."""
     from surgeon.errors import RunCancelled
     from surgeon.recipe.run import run_recipe
     from surgeon.recipe.schema import load_recipe
@@ -60,10 +61,11 @@ def run_studio_recipe(
     except SurgeonError as exc:
         raise gr.Error(str(exc)) from None
     events: queue.Queue = queue.Queue()
+    stop = stop or threading.Event()
 
     def work():  # the run on a thread of its own, so this generator can stream what it reports
         try:
-            with watch_training(events.put), cancellable(stop or threading.Event()):
+            with watch_training(events.put), cancellable(stop):
                 events.put(("done", run_recipe(recipe, overwrite=overwrite)))
         except RunCancelled as exc:
             events.put(("cancelled", exc))
@@ -71,6 +73,13 @@ def run_studio_recipe(
             events.put(("failed", exc))
 
     threading.Thread(target=work, name="studio-run", daemon=True).start()
+    try:
+        yield from _follow(recipe, events, progress)
+    finally:
+        stop.set()  # a no-op once the run ended; otherwise it stops at its next check
+
+
+def _follow(recipe, events: queue.Queue, progress):
     points: list[dict] = []
     status = f"running {recipe.spec.name} ({len(recipe.steps)} steps)"
     progress(0, desc=status)
@@ -86,7 +95,7 @@ def run_studio_recipe(
             continue
         kind, payload = event
         if kind == "cancelled":
-            note = "nothing exported; a heal's checkpoint is kept (`surgeon run --resume` continues it)"
+            note = "nothing exported (a heal's checkpoint is kept: `surgeon run --resume` on the saved recipe)"
             yield f"stopped: {payload}; {note}", _loss_table(points), gr.update(interactive=False), None
             return
         if kind == "failed":

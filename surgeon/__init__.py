@@ -14,7 +14,10 @@ __version__ = "0.1.0"
 # package by hand, the same thing a wheel's import system builds from surgeon/kernels/.
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _checkout_kernels = _os.path.join(_os.path.dirname(_here), "kernels")
-if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isdir(_checkout_kernels):
+_ours = _os.path.isfile(_os.path.join(_checkout_kernels, "paged_attention.py")) and _os.path.isfile(
+    _os.path.join(_os.path.dirname(_here), "pyproject.toml")
+)  # the checkout's own kernels/, never a site-packages neighbour of that name
+if not _os.path.isdir(_os.path.join(_here, "kernels")) and _ours:
     _spec = _util.spec_from_loader(f"{__name__}.kernels", None, is_package=True)
     _spec.submodule_search_locations = [_checkout_kernels]
     kernels = _sys.modules[_spec.name] = _util.module_from_spec(_spec)

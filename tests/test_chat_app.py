@@ -6,6 +6,7 @@ import asyncio
 import socket
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -234,3 +235,15 @@ def test_studio_stop_ends_the_run_at_the_next_step_and_exports_nothing(tiny_llam
     assert not (tmp_path / "out" / "studio-stop").exists()
     # The heal's checkpoint is kept, so `surgeon run --resume` continues where Stop left it.
     assert any((tmp_path / "out").glob("studio-stop*checkpoints*"))
+
+    # A page that goes away closes the generator: the run stops too, rather than running on unseen.
+    run = run_studio_recipe(str(tmp_path / "studio.yaml"), recipe, True)
+    for update in run:
+        if len(update[1]) == 2:
+            break
+    run.close()
+    deadline = time.monotonic() + 60
+    while any(t.name == "studio-run" and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the studio's run outlived its page"
+        time.sleep(0.1)
+    assert not (tmp_path / "out" / "studio-stop").exists()

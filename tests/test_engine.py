@@ -107,6 +107,20 @@ def test_sparse_attention_export_matches_transformers(tmp_path, tokenizer_dir):
     assert engine_tokens(llm, batch) == [hf_greedy(model, ids, 12) for ids in batch]
 
 
+def test_a_long_prompt_stops_at_the_context_end_unless_overflow_is_refused(tiny_llama):
+    """The engine's own API (and the chat demo) stops at the context's end; the server asks for
+    refusal, as OpenAI's does, and gets it before anything runs."""
+    llm = LLM(str(tiny_llama), kv_cache_tokens=256, block_size=16)
+    prompt = list(range(3, 3 + llm.max_model_len - 20))
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, loop_window=0)
+    (out,) = llm.generate([prompt], params)
+    assert out.finish_reason == "length" and len(out.token_ids) == 20
+    strict = SamplingParams(temperature=0, max_tokens=128, refuse_overflow=True)
+    with pytest.raises(ValueError, match="max_tokens=128 does not fit.*at most 20 new tokens"):
+        llm.generate([prompt], strict)
+    assert not llm.has_unfinished()
+
+
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(tiny_llama):
     llm = LLM(str(tiny_llama))
     batch = prompts(3)

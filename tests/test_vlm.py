@@ -208,3 +208,29 @@ def test_projector_only_training_step_touches_only_the_projector(processor):
     inputs = processor.prompt(records[0]["messages"][:1], records[0]["images"])
     out = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=2)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+@pytest.mark.parametrize("how", ["special", "ordinary"])
+def test_only_image_parts_make_image_slots(tokenizer_dir, how):
+    """A typed "<image>" is text, whether the tokenizer holds the placeholder as a special token
+    (as graft_vision adds it) or as an ordinary added one; with nothing typed, the ids are the
+    rendered chat's in one tokenizer call, as before this care."""
+    from transformers import AutoTokenizer
+
+    from surgeon.vision.processor import ImageTransform, VLMProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if how == "ordinary":
+        tokenizer.add_tokens(["<image>"])
+    processor = VLMProcessor(tokenizer, ImageTransform(16, (0.5,) * 3, (0.5,) * 3), image_seq_length=4)
+    image = processor.image_token_id
+    typed = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "is <image> a tag? <image>"}]}]
+    ids, mask = processor.encode_text(typed, 1, assistant_only=False)
+    assert ids.count(image) == 4 and not any(m for t, m in zip(ids, mask) if t == image)
+    plain = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]}]
+    rendered = tokenizer.apply_chat_template(processor.flatten(plain, 1, "test"), tokenize=False)
+    assert (
+        processor.encode_text(plain, 1, assistant_only=False)[0]
+        == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    )
+    assert image not in processor.text_ids("a typed <image> in a plain prompt")

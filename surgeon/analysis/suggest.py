@@ -40,8 +40,11 @@ class Suggestion:
 
     def summary(self) -> str:
         if self.sparse is not None or not self.drop:
-            layers = format_ranges(self.sparse["layers"]) if self.sparse else "none"
-            return f"sparse attention on layers {layers}" + (f", rebuilt from {self.origin}" if self.origin else "")
+            if self.sparse is None:
+                dense = f"keep the dense model {self.origin}" if self.origin else "keep the dense model"
+                return f"no layer's selection keeps {MIN_RECALL:.0%} of the attention: {dense}"
+            where = f", rebuilt from {self.origin}" if self.origin else ""
+            return f"sparse attention on layers {format_ranges(self.sparse['layers'])}{where}"
         kv = f"merge to {_heads(self.kv_heads)}" if self.kv_heads else "keep all KV heads"
         return f"drop layers {format_ranges(self.drop)}; {kv}"
 

@@ -204,6 +204,8 @@ def resolve_source(
         path = user_path(spec, base_dir)
     except PathRefused as exc:
         raise SourceError(f"source {spec!r}: {exc}") from None
+    if not Path(spec).expanduser().is_absolute():
+        path = path.resolve()  # a relative source is known by its real place (fingerprints, cache keys)
     if path.is_file() and path.suffix == ".gguf":
         return Source(label=spec, kind="gguf", location=str(path), **common)
     if path.is_dir():

@@ -183,7 +183,11 @@ class LLM:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; this engine holds at most {self.max_model_len - 1} prompt tokens"
             )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+        if (
+            params.refuse_overflow
+            and params.max_tokens is not None
+            and len(ids) + params.max_tokens > self.max_model_len
+        ):
             raise ValueError(
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the context "
                 f"holds {self.max_model_len}, so at most {self.max_model_len - len(ids)} new tokens"

@@ -185,6 +185,7 @@ def sampling_params(body: Sampling, max_tokens: int | None):
         ignore_eos=body.ignore_eos,
     )
     kwargs = {name: value for name, value in given.items() if value is not None or name == "max_tokens"}
+    kwargs["refuse_overflow"] = max_tokens is not None
     if body.stop is not None:
         kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     try:

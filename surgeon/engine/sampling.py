@@ -11,8 +11,10 @@ class SamplingParams:
     is none (HF's rule: a seen token's positive logit is divided by it, a negative one multiplied).
     `seed` makes a sampled request reproducible whatever else is in its batch. `stop`: strings that
     end the output (not included in it). `loop_window`: tokens the loop detector looks back over
-    (0 turns it off). `max_tokens=None`: until a stop or the end of the model's context; a number
-    that cannot fit beside the prompt in the context is refused when the request is added."""
+    (0 turns it off). `max_tokens=None`: until a stop or the end of the model's context.
+    `refuse_overflow`: a max_tokens that cannot fit beside the prompt in the context is refused when
+    the request is added (the server's rule, as OpenAI's and vLLM's); otherwise generation stops
+    at the context's end with finish_reason "length"."""
 
     max_tokens: int | None = 128
     temperature: float = 1.0
@@ -23,6 +25,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     loop_window: int = 64
+    refuse_overflow: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -35,7 +35,7 @@ class SurgeonVLMFront:
         return inputs["input_ids"][0].tolist(), pixels if pixels is not None else torch.empty(0)
 
     def plain_ids(self, prompt: str) -> list[int]:
-        return self.processor.tokenizer("")["input_ids"] + self.processor.text_ids(prompt)
+        return self.processor.text_ids(prompt)
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.vlm.image_features(pixels)
@@ -51,7 +51,7 @@ class LlavaFront:
     def plain_ids(self, prompt: str) -> list[int]:
         from ..vision.processor import text_ids
 
-        return self.processor.tokenizer("")["input_ids"] + text_ids(self.processor.tokenizer, prompt, self.image_token)
+        return text_ids(self.processor.tokenizer, prompt, self.image_token, self.image_token_id)
 
     def encode(self, messages: list[dict], images: list) -> tuple[list[int], torch.Tensor]:
         # LLaVA's processor turns every "<image>" in the text into an image's tokens, so one a user

@@ -17,7 +17,7 @@ from .. import __version__
 from ..checkpoints.export import check_target, export_model, push_folder
 from ..errors import ExportError, ParamError, RecipeError, RunCancelled, SurgeonError
 from ..ops import OPERATIONS
-from ..paths import user_path
+from ..paths import PathRefused, user_path
 from ..training.progress import check_cancelled
 from .patient import Patient
 from .plan import Plan, plan_recipe
@@ -36,10 +36,13 @@ class RunResult:
 def export_target(recipe: Recipe, out: str | Path | None) -> Path:
     """--out (relative to the current directory), else export.path (relative to the recipe), else out/NAME."""
     if out is not None:
-        return user_path(out)
+        try:
+            return user_path(out).resolve()
+        except PathRefused as exc:
+            raise PathRefused(f"--out {exc}") from None
     if recipe.spec.export.path:
-        return user_path(recipe.spec.export.path, recipe.directory)
-    return user_path(Path("out") / recipe.spec.name)
+        return user_path(recipe.spec.export.path, recipe.directory).resolve()
+    return user_path(Path("out") / recipe.spec.name).resolve()
 
 
 def work_dir_for(target: Path) -> Path:

@@ -18,9 +18,11 @@ from ..chat import Document, chat_ids, render_chat
 from ..errors import DataError
 
 IMAGE_TOKEN = "<image>"
-# Marks an image part's place while the chat template renders (a Unicode noncharacter, removed
-# from users' text), so that only image parts, never typed text, become placeholder runs.
-IMAGE_SLOT = "\uffff"
+# Stands for a placeholder a user typed while the chat template renders (a Unicode noncharacter,
+# itself removed from users' text): image parts insert the real placeholder run, typed ones this,
+# so only image parts become image slots. With nothing typed, the text is tokenised in one call,
+# exactly as a chat without this care would be.
+TYPED_PLACEHOLDER = "\uffff"
 
 
 def add_image_token(tokenizer, token: str = IMAGE_TOKEN) -> int:
@@ -30,13 +32,36 @@ def add_image_token(tokenizer, token: str = IMAGE_TOKEN) -> int:
     return tokenizer.convert_tokens_to_ids(token)
 
 
-def text_ids(tokenizer, text: str, image_token: str) -> list[int]:
-    """Ids of text in which a typed placeholder is text: its characters' tokens, never the image
-    token (which only an image part makes). Other special tokens (a template's) still parse."""
+def typed_token_ids(tokenizer, image_token: str, image_token_id: int) -> list[int]:
+    """The ids of the placeholder's characters as text, never the image token: split as a special
+    token would be, or, where the tokenizer holds it as an ordinary added token, in two pieces."""
+    ids = tokenizer(image_token, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if image_token_id in ids:
+        ids = [
+            t
+            for piece in (image_token[:1], image_token[1:])
+            for t in tokenizer(piece, add_special_tokens=False)["input_ids"]
+        ]
+    return ids
+
+
+def text_ids(tokenizer, text: str, image_token: str, image_token_id: int) -> list[int]:
+    """Ids of plain text (no chat template) in which a typed placeholder is text; the special
+    tokens the tokenizer adds around a text (BOS, EOS) stay where tokenizer(text) puts them."""
+    full = tokenizer(text)["input_ids"]
+    if image_token not in text:
+        return full
+    bare = tokenizer(text, add_special_tokens=False)["input_ids"]
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), 0)
+    typed = typed_token_ids(tokenizer, image_token, image_token_id)
+    return full[:at] + _joined(tokenizer, text.split(image_token), typed) + full[at + len(bare) :]
+
+
+def _joined(tokenizer, pieces: list[str], between: list[int]) -> list[int]:
     ids: list[int] = []
-    for index, piece in enumerate(text.split(image_token)):
+    for index, piece in enumerate(pieces):
         if index:
-            ids += tokenizer(image_token, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids += between
         if piece:
             ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
     return ids
@@ -80,14 +105,14 @@ class VLMProcessor:
                 for part in content:
                     if part.get("type") == "image":
                         seen += 1
-                        text.append(IMAGE_SLOT + "\n")
+                        text.append(self.image_token * self.image_seq_length + "\n")
                     elif part.get("type") == "text":
-                        text.append(str(part.get("text", "")).replace(IMAGE_SLOT, ""))
+                        text.append(self._typed(str(part.get("text", ""))))
                     else:
                         raise DataError(f"{where}: unknown content part {part.get('type')!r} (image or text)")
                 content = "".join(text)
             elif isinstance(content, str):
-                content = content.replace(IMAGE_SLOT, "")
+                content = self._typed(content)
             flat.append({**message, "content": content})
         if seen != images:
             raise DataError(f"{where}: {seen} image parts in the messages but {images} images given")
@@ -114,17 +139,16 @@ class VLMProcessor:
         ids = chat_ids(self.tokenizer, flat, generation_prompt=True, encode=self.encode_rendered)
         return {"input_ids": torch.tensor([ids]), "pixel_values": self.pixels(images) if images else None}
 
+    def _typed(self, text: str) -> str:
+        return text.replace(TYPED_PLACEHOLDER, "").replace(self.image_token, TYPED_PLACEHOLDER)
+
     def encode_rendered(self, text: str) -> list[int]:
-        """A rendered chat's ids: each image slot becomes its run of placeholders."""
-        ids: list[int] = []
-        for index, piece in enumerate(text.split(IMAGE_SLOT)):
-            if index:
-                ids += [self.image_token_id] * self.image_seq_length
-            ids += self.text_ids(piece)
-        return ids
+        """A rendered chat's ids: placeholder runs from image parts, typed placeholders as text."""
+        typed = typed_token_ids(self.tokenizer, self.image_token, self.image_token_id)
+        return _joined(self.tokenizer, text.split(TYPED_PLACEHOLDER), typed)
 
     def text_ids(self, text: str) -> list[int]:
-        return text_ids(self.tokenizer, text, self.image_token)
+        return text_ids(self.tokenizer, text, self.image_token, self.image_token_id)
 
     def pixels(self, images: list) -> torch.Tensor:
         if not images:
