@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from surgeon.report.vision_rows import vision_rows
+
 KL_HEADING = "## Measured against the parent"
 VISION_HEADING = "## Image questions"
 
@@ -80,18 +82,10 @@ def _vision_table(stages: list[dict]) -> str:
         "|---|---:|---:|",
     ]
     for stage in stages:
-        m = stage["metrics"]
-        sources = sorted(k.removesuffix("_accuracy") for k in m if k.endswith("_accuracy") and "_shuffled" not in k)
-        for source in sources:
-            kinds = sorted(k.removeprefix(f"{source}_accuracy_") for k in m if k.startswith(f"{source}_accuracy_"))
-            for kind in [""] + ([] if kinds == [source] else kinds):
-                suffix = f"_{kind}" if kind else ""
-                shuffled = m.get(f"{source}_shuffled_accuracy{suffix}")
-                label = f"{source} {kind}".strip() + (f" ({stage['name']})" if len(stages) > 1 else "")
-                lines.append(
-                    f"| {label} | {m[f'{source}_accuracy{suffix}']:.1%} | "
-                    f"{'' if shuffled is None else f'{shuffled:.1%}'} |"
-                )
+        for row in vision_rows(stage["metrics"]):
+            label = f"{row.source} {row.kind}".strip() + (f" ({stage['name']})" if len(stages) > 1 else "")
+            shuffled = "" if row.shuffled is None else f"{row.shuffled:.1%}"
+            lines.append(f"| {label} | {row.accuracy:.1%} | {shuffled} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ import yaml
 
 from ..measure.metrics import METRIC_NAMES
 from .provenance_plots import CARD_PREFIXES
+from .vision_rows import vision_rows
 
 _TAGS_BY_OP = {
     "drop_layers": "layer-pruning",
@@ -187,23 +188,12 @@ def _vision_section(stages: list[dict]) -> list[str]:
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for stage in stages:
-        m = stage["metrics"]
-        sources = sorted(
-            {k.removesuffix("_accuracy") for k in m if k.endswith("_accuracy") and not k.endswith("_shuffled_accuracy")}
-        )
-        for source in sources:
-            kinds = sorted(k.removeprefix(f"{source}_accuracy_") for k in m if k.startswith(f"{source}_accuracy_"))
-            kinds = [] if kinds == [source] else kinds  # one kind (mnist): the "all" row says it
-            for kind in ["all", *kinds]:
-                suffix = "" if kind == "all" else f"_{kind}"
-                shuffled = m.get(f"{source}_shuffled_accuracy{suffix}")
-                count = m.get(f"{source}_examples{suffix}")
-                lines.append(
-                    f"| {stage['name']} | {source} | {kind} | {m[f'{source}_accuracy{suffix}']:.1%} | "
-                    f"{'' if shuffled is None else f'{shuffled:.1%}'} | "
-                    f"{_fmt_share(m.get(f'{source}_chance')) if kind == 'all' else ''} | "
-                    f"{'' if count is None else count} |"
-                )
+        for row in vision_rows(stage["metrics"]):
+            lines.append(
+                f"| {stage['name']} | {row.source} | {row.kind or 'all'} | {row.accuracy:.1%} | "
+                f"{_fmt_share(row.shuffled)} | {_fmt_share(row.chance)} | "
+                f"{'' if row.examples is None else row.examples} |"
+            )
     return lines + [""]
 
 

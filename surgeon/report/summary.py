@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .vision_rows import vision_rows
+
 
 def stage_line(stage: dict) -> str:
     """A stage of any kind as one line; a kind this module does not know still prints its numbers."""
@@ -32,19 +34,16 @@ def _instructions_line(stage: dict) -> str:
 
 def _vision_line(stage: dict) -> str:
     """Per image source: exact-answer accuracy, then the shuffled-image control and chance."""
-    m = stage["metrics"]
-    sources = sorted(k.removesuffix("_accuracy") for k in m if k.endswith("_accuracy") and "_shuffled" not in k)
     parts = []
-    for source in sources:
+    for row in vision_rows(stage["metrics"]):
+        if row.kind:
+            continue
         controls = [
-            f"{label} {m[key]:.1%}"
-            for label, key in (("shuffled", f"{source}_shuffled_accuracy"), ("chance", f"{source}_chance"))
-            if m.get(key) is not None
+            f"{label} {v:.1%}" for label, v in (("shuffled", row.shuffled), ("chance", row.chance)) if v is not None
         ]
-        examples = m.get(f"{source}_examples")
-        count = f" of {examples}" if examples is not None else ""
+        count = f" of {row.examples}" if row.examples is not None else ""
         extra = f" ({', '.join(controls)})" if controls else ""
-        parts.append(f"{source} {m[f'{source}_accuracy']:.1%}{count}{extra}")
+        parts.append(f"{row.source} {row.accuracy:.1%}{count}{extra}")
     return f"{stage['name']}: image questions right: {'; '.join(parts) or 'none measured'}"
 
 
