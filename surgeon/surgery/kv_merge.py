@@ -77,8 +77,8 @@ def _merge_layer(attn, config, target: int, init: str, normed: bool, sigma, tota
     parts = {}
     for kind in ("k", "v"):
         proj = getattr(attn, f"{kind}_proj")
-        parts[kind] = (_with_bias(proj).double().split(hd), proj.bias is not None)  # rows of [kv*hd, in+1]
-    q_rows = list(_with_bias(attn.q_proj).double().split(hd))
+        parts[kind] = (_with_bias(proj).split(hd), proj.bias is not None)  # rows of [kv*hd, in+1]
+    q_rows = list(_with_bias(attn.q_proj).split(hd))
     o_cols = list(attn.o_proj.weight.double().split(hd, dim=1))
     new = {"k": [], "v": []}
     for group in range(target):
@@ -119,19 +119,13 @@ def _merge_layer(attn, config, target: int, init: str, normed: bool, sigma, tota
     return out
 
 
-def _with_bias(linear: torch.nn.Linear) -> torch.Tensor:
-    """[out, in + 1]: the weight with the bias (or zeros) as its last column."""
-    bias = linear.bias if linear.bias is not None else torch.zeros(linear.out_features, dtype=linear.weight.dtype)
-    return torch.cat([linear.weight, bias[:, None]], dim=1)
-
-
 def kv_head_similarity(model, sigmas: list[torch.Tensor]) -> dict[str, list[float]]:
     """Per layer, the mean over pairs of KV heads of cos(head i's outputs, head j's outputs)."""
     hd = head_dim(model.config)
     result = {"k": [], "v": []}
     for layer, sigma in zip(model.base_model.layers, sigmas, strict=True):
         for kind in ("k", "v"):
-            heads = _with_bias64(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
+            heads = _with_bias(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
             projected = [w @ sigma for w in heads]
             gram = torch.tensor([[float((p * w).sum()) for w in heads] for p in projected])
             norms = gram.diagonal().clamp_min(1e-30).sqrt()
@@ -151,7 +145,7 @@ def svd_merge_loss(model, sigmas: list[torch.Tensor], target: int) -> dict[str, 
     result = {"k": [], "v": []}
     for layer, sigma in zip(model.base_model.layers, sigmas, strict=True):
         for kind, merger, init in (("k", merge_keys, key_init), ("v", merge_values, "svd")):
-            heads = _with_bias64(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
+            heads = _with_bias(getattr(layer.self_attn, f"{kind}_proj")).split(hd)
             lost = total = 0.0
             for group in range(target):
                 weights = list(heads[group * r : (group + 1) * r])
@@ -161,7 +155,7 @@ def svd_merge_loss(model, sigmas: list[torch.Tensor], target: int) -> dict[str, 
     return result
 
 
-def _with_bias64(linear: torch.nn.Linear) -> torch.Tensor:
+def _with_bias(linear: torch.nn.Linear) -> torch.Tensor:
     """[out, in + 1] in float64, the bias (or zeros) as the last column, matching the covariance."""
     weight = linear.weight.detach().double()
     bias = (
