@@ -119,7 +119,7 @@ class Heal(Operation):
         digest = ctx.run_digest(data.digest(), sorted(trainable))
         # A sparse-attention student: selection on, and each indexer learns the attention over the
         # keys it picked (DeepSeek's second stage) while the LM is distilled.
-        with ctx.checkpoint_dir() as work, indexer_mode(student, dense=False, loss=sparse):
+        with ctx.checkpoint_dir("heal") as checkpoints, indexer_mode(student, dense=False, loss=sparse):
             result = train(
                 student,
                 trainable,
@@ -129,7 +129,7 @@ class Heal(Operation):
                 teacher_fingerprint=fingerprint,
                 teacher_is_parent=params.teacher == PARENT,
                 layer_origin=patient.layer_origin(),
-                checkpoint_dir=work / f"heal-step{ctx.index}",
+                checkpoint_dir=checkpoints,
                 resume=ctx.resume,
                 run_digest=digest,
             )

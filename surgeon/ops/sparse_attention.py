@@ -121,13 +121,13 @@ class SparsifyAttention(Operation):
             held = min(spec.heldout_windows, max(0, windows.shape[0] - 1))
             train_ids, heldout_ids = windows[: windows.shape[0] - held], windows[windows.shape[0] - held :]
             digest = ctx.run_digest(windows_digest(windows), "warmup")
-            with ctx.checkpoint_dir() as work:
+            with ctx.checkpoint_dir("indexer") as checkpoints:
                 result = warm_up(
                     sparse,
                     train_ids,
                     heldout_ids,
                     spec,
-                    checkpoint_dir=work / f"indexer-step{ctx.index}",
+                    checkpoint_dir=checkpoints,
                     resume=ctx.resume,
                     run_digest=digest,
                 )

@@ -69,14 +69,14 @@ class StepContext:
         return files, token_windows(tokenizer, files, data)
 
     @contextmanager
-    def checkpoint_dir(self) -> Iterator[Path]:
-        """The run's checkpoint folder (resumable steps keep theirs under it); outside a run (a
-        library call), a temporary one removed afterwards."""
+    def checkpoint_dir(self, kind: str) -> Iterator[Path]:
+        """This step's checkpoint folder for `kind` of training (heal, indexer), under the run's;
+        outside a run (a library call), under a temporary folder removed afterwards."""
         if self.work_dir is not None:
-            yield self.work_dir
+            yield self.work_dir / f"{kind}-step{self.index}"
             return
         with tempfile.TemporaryDirectory(prefix="surgeon-step-") as tmp:
-            yield Path(tmp)
+            yield Path(tmp) / f"{kind}-step{self.index}"
 
     def run_digest(self, *parts: object) -> str:
         """A key unique to this recipe, this step and what it trains on (`parts`): a resumed run

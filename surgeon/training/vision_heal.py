@@ -76,14 +76,14 @@ def apply_vision_heal(op_name: str, params, patient: Patient, ctx: StepContext) 
     student = _training_copy(patient.model)
     student, trainable = prepare_student(student, params.train)
     digest = ctx.run_digest(data.digest(), sorted(trainable))
-    with ctx.checkpoint_dir() as work:
+    with ctx.checkpoint_dir("heal") as checkpoints:
         result = train_vision(
             student,
             trainable,
             data,
             processor,
             params,
-            checkpoint_dir=work / f"heal-step{ctx.index}",
+            checkpoint_dir=checkpoints,
             resume=ctx.resume,
             run_digest=digest,
         )
