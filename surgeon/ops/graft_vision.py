@@ -76,8 +76,7 @@ class GraftVision(Operation):
     accepts_vlm = True  # so that its own message ("already has a vision tower") is the one shown
 
     def plan(self, params: GraftVisionParams, state: ModelState, ctx: StepContext):
-        from ..modeling import SurgeonVLMConfig
-        from ..vision.graft import is_vlm
+        from ..vision.graft import is_vlm, vlm_config
 
         if is_vlm(state):
             raise ParamError((), "the patient already has a vision tower")
@@ -94,22 +93,10 @@ class GraftVision(Operation):
                 )
         if params.tower.projector_from_donor and params.projector != "mlp2x_gelu":
             raise ParamError(("projector",), "a LLaVA donor's projector is an mlp2x_gelu")
-        config = SurgeonVLMConfig(
-            text_config=state.config,
-            vision_config=donor.vision_config,
-            timm_architecture=donor.timm_architecture,
-            image_size=donor.image_size,
-            vision_hidden_size=donor.hidden_size,
-            vision_grid=list(donor.grid) if donor.grid else None,
-            vision_tokens=donor.tokens,
-            vision_layer=donor.layer,
-            drop_cls=donor.drop_cls,
-            projector=params.projector,
-            pixel_shuffle_factor=params.pixel_shuffle_factor,
-            image_token=params.image_token,
-            image_token_id=state.config.vocab_size,
-            image_mean=list(donor.mean),
-            image_std=list(donor.std),
+        # The id the graft will give the placeholder: the first past the LM's vocabulary.
+        image_token_id = state.config.vocab_size
+        config = vlm_config(
+            state.config, donor, params.projector, params.pixel_shuffle_factor, params.image_token, image_token_id
         )
         projector_params = _projector_params(config)
         tower_params = sum(p.numel() for p in donor.tower.parameters())

@@ -43,6 +43,29 @@ def image_chat_template(template: str, image_token: str = IMAGE_TOKEN) -> str:
     return IMAGE_PARTS_PREAMBLE.replace("@@IMAGE@@", image_token) + template
 
 
+def vlm_config(
+    text_config, donor: Donor, projector: str, pixel_shuffle_factor: int, image_token: str, image_token_id: int
+) -> SurgeonVLMConfig:
+    """The grafted VLM's config: the LM's, the donor tower's layout and preprocessing, the projector."""
+    return SurgeonVLMConfig(
+        text_config=text_config,
+        vision_config=donor.vision_config,
+        timm_architecture=donor.timm_architecture,
+        image_size=donor.image_size,
+        vision_hidden_size=donor.hidden_size,
+        vision_grid=list(donor.grid) if donor.grid else None,
+        vision_tokens=donor.tokens,
+        vision_layer=donor.layer,
+        drop_cls=donor.drop_cls,
+        projector=projector,
+        pixel_shuffle_factor=pixel_shuffle_factor,
+        image_token_id=image_token_id,
+        image_token=image_token,
+        image_mean=list(donor.mean),
+        image_std=list(donor.std),
+    )
+
+
 def assemble(
     lm,
     tokenizer,
@@ -62,23 +85,7 @@ def assemble(
         )
     if tokenizer.chat_template:
         tokenizer.chat_template = image_chat_template(tokenizer.chat_template, image_token)
-    config = SurgeonVLMConfig(
-        text_config=lm.config,
-        vision_config=donor.vision_config,
-        timm_architecture=donor.timm_architecture,
-        image_size=donor.image_size,
-        vision_hidden_size=donor.hidden_size,
-        vision_grid=list(donor.grid) if donor.grid else None,
-        vision_tokens=donor.tokens,
-        vision_layer=donor.layer,
-        drop_cls=donor.drop_cls,
-        projector=projector,
-        pixel_shuffle_factor=pixel_shuffle_factor,
-        image_token_id=image_token_id,
-        image_token=image_token,
-        image_mean=list(donor.mean),
-        image_std=list(donor.std),
-    )
+    config = vlm_config(lm.config, donor, projector, pixel_shuffle_factor, image_token, image_token_id)
     with torch.device("meta"):  # the parts below replace everything; nothing is allocated twice
         vlm = SurgeonVLMForConditionalGeneration(config)
     vlm.vision_tower = donor.tower
