@@ -105,7 +105,8 @@ class ReduceKVHeads(Operation):
         # What the card's KV plot shows (as surgeon analyze draws it): how alike each layer's heads
         # are, and the energy the svd merge to this many heads loses, on the calibration text.
         similarity = merge_loss = None
-        if sigmas is not None and (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) > 1:
+        kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if sigmas is not None and kv > 1:
             similarity = kv_head_similarity(model, sigmas)
             merge_loss = {str(params.kv_heads): svd_merge_loss(model, sigmas, params.kv_heads)}
         stages, measured = self._compare_inits(params, patient, ctx, build, with_svd=sigmas is not None)
@@ -116,7 +117,6 @@ class ReduceKVHeads(Operation):
             captured = capture_attention(model, windows)
             fitted = fit_attention(reduced, captured, params.fit.steps, params.fit.lr, params.fit.batch)
             del captured
-        kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         per_token = 2 * config.num_hidden_layers * architecture.head_dim(config) * model.dtype.itemsize
         entry = Provenance(
             op=self.name,

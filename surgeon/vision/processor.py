@@ -94,6 +94,7 @@ class VLMProcessor:
         self.tokenizer, self.transform = tokenizer, transform
         self.image_seq_length, self.image_token = image_seq_length, image_token
         self.image_token_id = add_image_token(tokenizer, image_token)
+        self._typed_ids = typed_token_ids(tokenizer, image_token, self.image_token_id)  # once, not per chat
 
     def flatten(self, messages: list[dict], images: int, where: str) -> list[dict]:
         """Structured content -> strings with placeholder runs; checks the image count."""
@@ -144,8 +145,7 @@ class VLMProcessor:
 
     def encode_rendered(self, text: str) -> list[int]:
         """A rendered chat's ids: placeholder runs from image parts, typed placeholders as text."""
-        typed = typed_token_ids(self.tokenizer, self.image_token, self.image_token_id)
-        return _joined(self.tokenizer, text.split(TYPED_PLACEHOLDER), typed)
+        return _joined(self.tokenizer, text.split(TYPED_PLACEHOLDER), self._typed_ids)
 
     def text_ids(self, text: str) -> list[int]:
         return text_ids(self.tokenizer, text, self.image_token, self.image_token_id)
