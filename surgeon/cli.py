@@ -69,6 +69,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=_eval)
 
+    p = sub.add_parser("ifeval", help="IFEval: instruction following, scored by Google's checks (greedy)")
+    p.add_argument("model", help="alias, model folder or .gguf file")
+    p.add_argument("--data", help="IFEval's input_data.jsonl (default: google/IFEval through `datasets`)")
+    p.add_argument("--limit", type=int, help="the first N prompts only")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (default 512)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's (default fp32)")
+    p.add_argument("--out", help="write every prompt's answer and checks to this jsonl file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=_ifeval)
+
     p = sub.add_parser("push", help="upload an export to the Hugging Face Hub")
     p.add_argument("folder")
     p.add_argument("--repo-id", required=True)
@@ -171,6 +181,30 @@ def _eval(args) -> None:
 
     metrics = evaluate_checkpoints(args.child, args.parent, args.data, tokens=args.tokens, window=args.window)
     print(json.dumps(metrics, indent=2) if args.json else metrics_line(args.child, metrics))
+
+
+def _ifeval(args) -> None:
+    from pathlib import Path
+
+    from .checkpoints.atomic import atomic_file
+    from .measure.ifeval import ifeval_checkpoint, ifeval_line
+
+    data = Path(args.data).expanduser() if args.data else None
+    result = ifeval_checkpoint(args.model, data, args.limit, args.max_tokens, args.dtype)
+    if args.out:
+        with atomic_file(Path(args.out)) as tmp:
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in result["per_prompt"]))
+    summary = {"metrics": result["metrics"], "settings": result["settings"], "sentence_splitter": result["punkt"]}
+    summary["generation"] = result["generation"]
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(ifeval_line(args.model, result["metrics"]))
+    gen = result["generation"]
+    print(
+        f"    max_tokens {args.max_tokens}, {args.dtype}, greedy; {gen['tokens']} tokens generated in "
+        f"{gen['seconds']:.0f} s{' (cached)' if gen['cached'] else ''}; sentences: {result['punkt']}"
+    )
 
 
 def _analyze(args) -> None:

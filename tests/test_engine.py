@@ -327,3 +327,22 @@ def test_compiled_decoding_gives_the_same_tokens(tiny_llama):
     compiled = LLM(str(tiny_llama), compile=True)
     assert engine_tokens(compiled, batch) == eager
     assert engine_tokens(compiled, batch[:1]) == eager[:1]  # batch 1 is a shape of its own
+
+
+def test_sampling_draws_from_the_filtered_distribution():
+    """The one-uniform inverse-CDF draw matches softmax(logits / T) after top-k/top-p, over many draws."""
+    from surgeon.engine.sampler import sample
+    from surgeon.engine.sequence import Sequence
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0, 1.5, 0.2])
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95, seed=11, max_tokens=1)
+    expected = (logits / 0.8).masked_fill(logits < logits.topk(6).values[-1], -torch.inf).softmax(-1)
+    ordered, order = expected.sort(descending=True)
+    ordered[(ordered.cumsum(-1) - ordered) >= 0.95] = 0
+    expected = torch.zeros_like(expected).scatter(0, order, ordered)
+    expected /= expected.sum()
+    seq = Sequence([1, 2], params)
+    draws = torch.tensor([sample(logits[None], [seq])[0] for _ in range(20000)])
+    observed = torch.bincount(draws, minlength=8).float() / len(draws)
+    assert 0.5 * (observed - expected).abs().sum() < 0.015  # total variation; ~0.006 expected from noise
+    assert observed[expected == 0].sum() == 0  # filtered tokens are never drawn

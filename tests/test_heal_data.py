@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from surgeon import answers
 from surgeon.checkpoints.sources import resolve_source
 from surgeon.errors import DataError, ParamError
 from surgeon.training.heal_data import DataSource, HealData, check_sources
@@ -102,15 +103,30 @@ def test_self_distill_is_written_by_the_teacher_and_cached(tiny_llama, tokenizer
         "heldout_windows": 0,
     }
     calls = []
-    original = teacher.generate
+    original = answers._generate
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(teacher, "generate", counted)
+    monkeypatch.setattr(answers, "_generate", counted)
     first = build(spec, Path.cwd(), tokenizer, teacher)
     assert calls and first.train_ids.shape[0] >= 1
     calls.clear()
     second = build(spec, Path.cwd(), tokenizer, teacher)
     assert not calls and second.digest() == first.digest()  # read from the cache, identical
+
+
+def test_plan_says_whether_the_teacher_answers_are_cached(tiny_llama, tokenizer):
+    from surgeon.training.heal_data import SelfDistill
+    from surgeon.training.text_set import describe_self_distill, self_distill_chats
+
+    teacher = resolve_source(str(tiny_llama), Path.cwd()).load_model()
+    spec = SelfDistill(prompts=["a walk", "the ball"], samples=2, max_new_tokens=8, follow_up=1.0, seed=5)
+    before = describe_self_distill(spec, {}, "fp-plan")
+    assert "4 teacher answers to 2 prompts, 4 with a follow-up (not cached: about" in before
+    made = self_distill_chats(spec, {}, tokenizer, teacher, "fp-plan")
+    assert len(made.chats) == 4 and all(len(chat) == 4 for chat in made.chats) and not made.cached
+    assert "(cached; generating them took" in describe_self_distill(spec, {}, "fp-plan")
+    again = self_distill_chats(spec, {}, tokenizer, None, "fp-plan")  # no teacher needed once cached
+    assert again.cached and again.chats == made.chats

@@ -35,10 +35,18 @@ CAPS = {
     "batch": 2,
     "samples": 1,
     "max_new_tokens": 32,
+    "max_tokens": 16,
+    "count": 8,
+    "limit": 3,
     "window": 64,
     "every": 1,
     "checkpoint_every": 1,
 }
+
+
+def _is_recipe_file(recipe_dir: Path, value: str) -> bool:
+    """A path beside the recipe, such as prompts/chat-eval.txt (not prose that merely is a string)."""
+    return "\n" not in value and len(value) < 200 and (recipe_dir / value).is_file()
 
 
 def twin(recipe: dict, base: Path, recipe_dir: Path) -> dict:
@@ -55,7 +63,7 @@ def twin(recipe: dict, base: Path, recipe_dir: Path) -> dict:
             return [shrink(v, key) for v in items]
         if isinstance(value, int) and not isinstance(value, bool) and key in CAPS:
             return min(value, CAPS[key])
-        if isinstance(value, str) and value.startswith(("../", "./")):
+        if isinstance(value, str) and (value.startswith(("../", "./")) or _is_recipe_file(recipe_dir, value)):
             return str((recipe_dir / value).resolve())
         return value
 

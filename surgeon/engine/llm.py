@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BlockManager
-from .loader import load
+from .loader import Loaded, from_memory, load
 from .quantize import quantize_int8
 from .runner import ModelRunner
 from .sampler import sample
@@ -69,7 +69,7 @@ class LLM:
 
     def __init__(
         self,
-        path: str,
+        path: str | Loaded,
         *,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
@@ -86,7 +86,7 @@ class LLM:
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        loaded = load(str(path), self.device, self.dtype, trust_remote_code)
+        loaded = path if isinstance(path, Loaded) else load(str(path), self.device, self.dtype, trust_remote_code)
         self.model, self.tokenizer, self.vision = loaded.model, loaded.tokenizer, loaded.vision
         self.model_name = loaded.name
         if quantize not in (None, "int8"):
@@ -113,6 +113,16 @@ class LLM:
             num_blocks * block_size,
             block_size,
         )
+
+    @classmethod
+    def from_model(cls, model, tokenizer, *, dtype: str | torch.dtype | None = None, **engine_args) -> LLM:
+        """An engine over a text model already in memory (a recipe's patient or parent), without a
+        round trip through disk. Weights are shared when `dtype` is the model's; otherwise the
+        engine runs on a converted copy and the caller's model is left as it was."""
+        device = torch.device(engine_args.pop("device", None) or next(model.parameters()).device)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or next(model.parameters()).dtype)
+        loaded = from_memory(model, tokenizer, device, dtype)
+        return cls(loaded, device=str(device), dtype=dtype, **engine_args)
 
     def _default_cache_tokens(self, per_token: int) -> int:
         if self.device.type == "cuda":

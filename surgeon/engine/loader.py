@@ -8,6 +8,7 @@ reads the weights (safetensors only); the engine then builds its own modules aro
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,18 @@ def load(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code:
     tokenizer = source.load_tokenizer()
     eos = _eos_ids(tokenizer, source.generation_config(), causal_lm.config)
     name = path.name if path.is_dir() else spec
+    return Loaded(LlamaEngineModel(causal_lm).eval(), tokenizer, None, eos, name)
+
+
+def from_memory(causal_lm, tokenizer, device: torch.device, dtype: torch.dtype) -> Loaded:
+    """A causal LM already loaded (a recipe's patient or parent): the engine wraps its tensors, or a
+    converted copy when the device or dtype differs (the caller's model is never changed)."""
+    _check_family(causal_lm.config, "the model in memory")
+    first = next(causal_lm.parameters())
+    if first.dtype != dtype or first.device != device:
+        causal_lm = copy.deepcopy(causal_lm).to(device=device, dtype=dtype)
+    eos = _eos_ids(tokenizer, getattr(causal_lm, "generation_config", None), causal_lm.config)
+    name = getattr(causal_lm.config, "_name_or_path", "") or causal_lm.config.model_type
     return Loaded(LlamaEngineModel(causal_lm).eval(), tokenizer, None, eos, name)
 
 

@@ -42,4 +42,8 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
         # Keep the smallest set whose mass reaches top_p (the token that crosses it included).
         drop = ordered.cumsum(-1) - ordered >= params.top_p
         probs = probs.scatter(0, order, ordered.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator).item())
+    # Inverse CDF with one uniform draw: the same distribution as torch.multinomial, which spends
+    # ~1 ms per row drawing an exponential for every vocabulary entry.
+    cdf = probs.cpu().cumsum(0)
+    u = torch.rand((), generator=seq.generator, dtype=cdf.dtype) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[0] - 1)

@@ -23,7 +23,7 @@ from ..text import describe_files
 from ..training.heal_data import IMAGE_KINDS, HealData, check_sources
 from ..training.indexer import indexer_mode
 from ..training.loop import LoopSpec, train
-from ..training.text_set import build_train_set
+from ..training.text_set import build_train_set, describe_self_distill
 from ..training.trainable import TrainSpec, check_trainable, finish_student, prepare_student
 from ..training.vision_heal import apply_vision_heal, plan_vision_heal
 from ..vision.graft import is_vlm
@@ -76,7 +76,13 @@ class Heal(Operation):
             )
         if params.teacher_cache is not None and params.loss.kl == 0:
             raise ParamError(("teacher_cache",), "a teacher cache without a KL term would never be read")
-        ctx.facts["files"] = check_sources(params.data.sources, ctx.recipe_dir)
+        ctx.facts["files"] = files = check_sources(params.data.sources, ctx.recipe_dir)
+        teacher_fingerprint = ctx.sources["base" if params.teacher == PARENT else params.teacher].fingerprint()
+        generation = [
+            describe_self_distill(source.self_distill, files.get(i, {}), teacher_fingerprint)
+            for i, source in enumerate(params.data.sources)
+            if source.kind == "self_distill"
+        ]
         with torch.device("meta"):
             from transformers import AutoModelForCausalLM
 
@@ -93,7 +99,7 @@ class Heal(Operation):
         )
         note = (
             f"train {counts['trainable'] / 1e6:.2f}M params ({share:.1%}, {how}); {params.steps} steps, "
-            f"~{tokens / 1e3:.0f}K tokens; teacher {params.teacher}"
+            f"~{tokens / 1e3:.0f}K tokens; teacher {params.teacher}" + "".join(f"; {line}" for line in generation)
         )
         return state, note
 
@@ -137,10 +143,11 @@ class Heal(Operation):
         counts = ctx.facts.get("trainable") or {"trainable": sum(p.numel() for p in trainable.values()), "total": 0}
         evals = result.evals
         kl_text = f"; held-out KL {evals[0]['kl_mean']:.4f} -> {evals[-1]['kl_mean']:.4f}" if len(evals) >= 2 else ""
+        made = iter(data.generated)
         named = [
-            describe_files(files[i])
-            if i in files
-            else f"the teacher's answers to {len(s.self_distill.prompts)} prompts"
+            f"the teacher's answers to {next(made).prompts} prompts"
+            if s.kind == "self_distill"
+            else describe_files(files[i])
             for i, s in enumerate(params.data.sources)
         ]
         entry = Provenance(
@@ -170,6 +177,16 @@ class Heal(Operation):
                     "heldout_windows": data.heldout_ids.shape[0],
                     "train_tokens": data.train_tokens,
                 },
+                "generation": [
+                    {
+                        "conversations": len(g.chats),
+                        "prompts": g.prompts,
+                        "tokens": g.tokens,
+                        "seconds": g.seconds,
+                        "cached": g.cached,
+                    }
+                    for g in data.generated
+                ],
             },
         )
         return patient.with_model(model, entry)

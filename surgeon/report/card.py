@@ -5,6 +5,7 @@ from __future__ import annotations
 import yaml
 
 from ..measure.metrics import METRIC_NAMES
+from .chat_sections import chat_section, ifeval_section
 from .provenance_plots import CARD_PREFIXES
 from .vision_rows import vision_rows
 
@@ -24,6 +25,8 @@ def render_card(report: dict, recipe_text: str, plots: list[str] = ()) -> str:
     lines = _header(report, vision) + _what_was_done(report)
     stages = report["stages"]
     lines += _kl_section([s for s in stages if s.get("kind", "kl") == "kl"])
+    lines += chat_section([s for s in stages if s.get("kind") == "chat"])
+    lines += ifeval_section([s for s in stages if s.get("kind") == "ifeval"])
     lines += _instruction_section([s for s in stages if s.get("kind") == "instructions"])
     vision_stages = [s for s in stages if s.get("kind") == "vision"]
     if vision_stages:
@@ -165,6 +168,12 @@ def _healing_section(entry: dict) -> list[str]:
     lines.append(
         f"- data: {data['train_windows']} windows of {data['window']} tokens, {data['heldout_windows']} held out"
     )
+    for made in entry["details"].get("generation", []):
+        how = "read from the cache" if made["cached"] else f"generated in {made['seconds'] / 60:.1f} min"
+        lines.append(
+            f"- the teacher's answers to {made['prompts']} prompts ({made['conversations']} conversations, "
+            f"{made['tokens']:,} tokens), {how}, apart from the training time above"
+        )
     if len(heldout) >= 2:
         lines.append(f"- held-out KL: {heldout[0]['kl_mean']:.4f} before healing, {heldout[-1]['kl_mean']:.4f} after")
     return lines + [""]

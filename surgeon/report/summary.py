@@ -32,6 +32,23 @@ def _instructions_line(stage: dict) -> str:
     )
 
 
+def _chat_line(stage: dict) -> str:
+    m = stage["metrics"]
+    return (
+        f"{stage['name']}: chat_kl {m['chat_kl_mean']:.4f}  median {m['chat_kl_median']:.4f}  "
+        f"p99 {m['chat_kl_p99']:.3f}  chat_top1 {m['chat_top1']:.4f}  first 16 tokens same {m['chat_first16']:.0%} "
+        f"of {m['prompts']} prompts"
+    )
+
+
+def _ifeval_line(stage: dict) -> str:
+    m = stage["metrics"]
+    return (
+        f"{stage['name']}: IFEval {m['ifeval']:.3f} (parent {m['parent_ifeval']:.3f}; prompt strict "
+        f"{m['prompt_strict']:.3f}, instruction strict {m['inst_strict']:.3f}) over {m['prompts']} prompts"
+    )
+
+
 def _vision_line(stage: dict) -> str:
     """Per image source: exact-answer accuracy, then the shuffled-image control and chance."""
     parts = []
@@ -52,4 +69,10 @@ def _any_line(stage: dict) -> str:
     return f"{stage['name']} ({stage.get('kind')}) on {stage.get('data', '?')}: {numbers}"
 
 
-_LINES = {"kl": _kl_line, "instructions": _instructions_line, "vision": _vision_line}
+_LINES = {
+    "kl": _kl_line,
+    "chat": _chat_line,
+    "ifeval": _ifeval_line,
+    "instructions": _instructions_line,
+    "vision": _vision_line,
+}

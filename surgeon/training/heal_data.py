@@ -9,21 +9,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..answers import AnswerSettings
 from ..errors import ParamError
+from ..prompts import PromptSources
 from ..text import resolve_files
 
 
-class SelfDistill(BaseModel):
-    """Prompts completed by the teacher itself (greedy unless `temperature` > 0), so healing needs
-    no data files. Completions are cached per teacher and settings."""
+class SelfDistill(PromptSources, AnswerSettings):
+    """Prompts answered by the teacher itself through surgeon's engine (greedy unless
+    `temperature` > 0; `samples` answers per prompt), so healing needs no data files. Answers are
+    cached per teacher, prompts and settings (surgeon/answers.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompts: list[str] = Field(min_length=1)
-    max_new_tokens: int = Field(128, gt=0, le=4096)
     samples: int = Field(1, gt=0, le=64)
-    temperature: float = Field(0.0, ge=0.0)
-    system: str | None = None
+
+    def settings(self) -> AnswerSettings:
+        return AnswerSettings(**self.model_dump(include=set(AnswerSettings.model_fields)))
 
 
 class SyntheticImages(BaseModel):
@@ -105,10 +107,17 @@ class HealData(BaseModel):
 
 
 def check_sources(sources: list[DataSource], base_dir: Path, at: tuple = ("data", "sources")) -> dict[int, list[Path]]:
-    """Files each source names, checked now (ParamError pointing at the source, under `at`)."""
-    files: dict[int, list[Path]] = {}
+    """Files each source names, checked now (ParamError pointing at the source, under `at`). A
+    self_distill source's entry is a dict: its prompt files by field (prompts_file, from_text)."""
+    files: dict = {}
     for index, source in enumerate(sources):
         where = (*at, index)
+        if source.kind == "self_distill":
+            try:
+                files[index] = source.self_distill.check_files(base_dir)
+            except ParamError as exc:
+                raise exc.under((*where, "self_distill")) from None
+            continue
         patterns = {
             "text": source.text,
             "jsonl": source.jsonl,

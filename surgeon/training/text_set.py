@@ -10,18 +10,17 @@ what lets an interrupted run resume with exactly the same batches.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..answers import answer, answers_key, cached_entry, estimate_seconds
 from ..chat import Document, render_chat
-from ..checkpoints.atomic import atomic_folder
-from ..checkpoints.cache import cache_dir
 from ..errors import DataError
+from ..prompts import conversations, follow_ups
 from ..text import read_jsonl
 from .heal_data import DataSource, HealData, SelfDistill
 
@@ -36,6 +35,7 @@ class TrainSet:
     train_mask: torch.Tensor
     heldout_ids: torch.Tensor
     heldout_mask: torch.Tensor
+    generated: list[SelfDistilled] = field(default_factory=list)  # what self_distill sources generated
 
     @property
     def train_tokens(self) -> int:
@@ -51,9 +51,16 @@ class TrainSet:
 def build_train_set(
     data: HealData, files: dict[int, list[Path]], tokenizer, teacher=None, teacher_fingerprint=""
 ) -> TrainSet:
-    windows, masks = [], []
+    windows, masks, generated = [], [], []
     for index, source in enumerate(data.sources):
-        docs = _documents(source, files.get(index, []), tokenizer, data.assistant_only, teacher, teacher_fingerprint)
+        if source.kind == "self_distill":
+            made = self_distill_chats(
+                source.self_distill, files.get(index, {}), tokenizer, teacher, teacher_fingerprint
+            )
+            generated.append(made)
+            docs = [render_chat(tokenizer, messages, data.assistant_only) for messages in made.chats]
+        else:
+            docs = _documents(source, files.get(index, []), tokenizer, data.assistant_only)
         ids, mask = _pack(docs, tokenizer, data.window, source.tokens)
         if ids.shape[0] == 0:
             raise DataError(
@@ -76,7 +83,7 @@ def build_train_set(
         int(train_mask.sum()),
         held,
     )
-    return TrainSet(train_ids, train_mask, ids[:held], mask[:held])
+    return TrainSet(train_ids, train_mask, ids[:held], mask[:held], generated)
 
 
 def _pack(docs: list[Document], tokenizer, window: int, cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +114,7 @@ def _pack(docs: list[Document], tokenizer, window: int, cap: int | None) -> tupl
     return ids, mask
 
 
-def _documents(
-    source: DataSource, files: list[Path], tokenizer, assistant_only: bool, teacher, fingerprint: str
-) -> list[Document]:
+def _documents(source: DataSource, files: list[Path], tokenizer, assistant_only: bool) -> list[Document]:
     if source.kind == "text":
         return [_plain(tokenizer, path.read_text(encoding="utf-8", errors="replace")) for path in files]
     if source.kind == "jsonl":
@@ -119,8 +124,7 @@ def _documents(
             _record(tokenizer, record, assistant_only, f"{source.dataset} row {i}", source.field)
             for i, record in enumerate(_dataset_records(source, files))
         ]
-    chats = self_distill_chats(source.self_distill, tokenizer, teacher, fingerprint)
-    return [render_chat(tokenizer, messages, assistant_only) for messages in chats]
+    raise DataError(f"{source.kind} is not a text source")
 
 
 def _plain(tokenizer, text: str) -> Document:
@@ -146,51 +150,41 @@ def _dataset_records(source: DataSource, files: list[Path]):
     return iter(loaded)
 
 
-def self_distill_chats(spec: SelfDistill, tokenizer, teacher, fingerprint: str) -> list[list[dict]]:
-    """Conversations whose assistant turns the teacher wrote; cached on disk by teacher and settings."""
-    key = hashlib.sha256(json.dumps([fingerprint, spec.model_dump()], sort_keys=True).encode()).hexdigest()[:20]
-    target = cache_dir("self_distill") / key
-    if (target / "chats.json").is_file():
-        return json.loads((target / "chats.json").read_text())
-    if teacher is None:
+def self_distill_chats(
+    spec: SelfDistill, files: dict[str, list[Path]], tokenizer, teacher, fingerprint: str
+) -> SelfDistilled:
+    """Conversations whose assistant turns the teacher wrote (through the engine; cached on disk by
+    teacher, prompts and settings)."""
+    prompts = conversations(spec, files)
+    chats = [chat for chat in prompts for _ in range(spec.samples)]
+    asked = follow_ups(len(chats), spec.follow_up, spec.seed)
+    key = answers_key(fingerprint, chats, asked, spec.settings())
+    if teacher is None and cached_entry(key) is None:
         raise DataError("self_distill needs the teacher model")
-    chats = _generate(spec, tokenizer, teacher)
-    with atomic_folder(target, existing="keep") as tmp:
-        (tmp / "chats.json").write_text(json.dumps(chats))
-    return chats
+    answered = answer(teacher, tokenizer, chats, spec.settings(), fingerprint, asked)
+    return SelfDistilled(answered.chats, len(prompts), answered.seconds, answered.tokens, answered.cached)
 
 
-@torch.inference_mode()
-def _generate(spec: SelfDistill, tokenizer, teacher) -> list[list[dict]]:
-    from tqdm.auto import tqdm
+def describe_self_distill(spec: SelfDistill, files: dict[str, list[Path]], fingerprint: str) -> str:
+    """For `plan`: how many conversations, and whether they are cached or how long making them takes."""
+    prompts = conversations(spec, files)
+    chats = [chat for chat in prompts for _ in range(spec.samples)]
+    asked = follow_ups(len(chats), spec.follow_up, spec.seed)
+    follow = sum(q is not None for q in asked)
+    what = f"{len(chats)} teacher answers to {len(prompts)} prompts" + (
+        f", {follow} with a follow-up" if follow else ""
+    )
+    entry = cached_entry(answers_key(fingerprint, chats, asked, spec.settings()))
+    if entry is not None:
+        return f"{what} (cached; generating them took {entry['seconds'] / 60:.1f} min)"
+    seconds, rate = estimate_seconds(len(chats), follow, spec.settings())
+    return f"{what} (not cached: about {seconds / 60:.1f} min to generate at {rate})"
 
-    prompts = [p for p in spec.prompts for _ in range(spec.samples)]
-    generator = torch.Generator().manual_seed(0)
-    chats, batch = [], 16
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        for start in tqdm(range(0, len(prompts), batch), desc="self-distill", unit="batch", leave=False):
-            group = prompts[start : start + batch]
-            conversations = [
-                ([{"role": "system", "content": spec.system}] if spec.system else []) + [{"role": "user", "content": p}]
-                for p in group
-            ]
-            texts = [
-                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations
-            ]
-            inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            sampling = (
-                {"do_sample": True, "temperature": spec.temperature} if spec.temperature > 0 else {"do_sample": False}
-            )
-            if spec.temperature > 0:
-                torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
-            out = teacher.generate(
-                **inputs, max_new_tokens=spec.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
-            )
-            for conversation, row in zip(conversations, out[:, inputs["input_ids"].shape[1] :], strict=True):
-                reply = tokenizer.decode(row, skip_special_tokens=True).strip()
-                chats.append(conversation + [{"role": "assistant", "content": reply}])
-    finally:
-        tokenizer.padding_side = old_side
-    return chats
+
+@dataclass
+class SelfDistilled:
+    chats: list[list[dict]]
+    prompts: int  # distinct prompts before samples
+    seconds: float  # generation time (0 when cached)
+    tokens: int
+    cached: bool
