@@ -44,10 +44,10 @@ def chat_compare(
             q_log = F.log_softmax(mine[i, span], -1)
             kls.append((p_log.exp() * (p_log - q_log)).sum(-1).clamp_min(0).cpu())
             target = ids[i, answer_start : len(row)]
-            agree.append((mine[i, span].argmax(-1) == theirs[i, span].argmax(-1)).cpu())
-            first = slice(0, FIRST_TOKENS)
-            first_model.append(bool((mine[i, span].argmax(-1)[first] == target[first]).all()))
-            first_parent.append(bool((theirs[i, span].argmax(-1)[first] == target[first]).all()))
+            my_top, their_top = mine[i, span].argmax(-1), theirs[i, span].argmax(-1)
+            agree.append((my_top == their_top).cpu())
+            first_model.append(bool((my_top[:FIRST_TOKENS] == target[:FIRST_TOKENS]).all()))
+            first_parent.append(bool((their_top[:FIRST_TOKENS] == target[:FIRST_TOKENS]).all()))
     kl = torch.cat(kls).double()
     return {
         "chat_kl_mean": float(kl.mean()),

@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ParamError
 from ..measure.ifeval import HUB_DATASET, IfevalPrompt, load_prompts, run_ifeval
-from ..paths import PathRefused, user_path
 from ..recipe.patient import Patient, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
+from ..text import resolve_files
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,7 @@ class Ifeval(Operation):
 def _prompts(params: IfevalParams, ctx: StepContext) -> list[IfevalPrompt]:
     if params.data is None:
         return load_prompts(None, params.limit)
-    try:
-        path = user_path(params.data, ctx.recipe_dir)
-    except PathRefused as exc:
-        raise ParamError(("data",), str(exc)) from None
-    if not path.is_file():
-        raise ParamError(("data",), f"no such file: {params.data} (resolved to {path})")
-    return load_prompts(path, params.limit)
+    paths = resolve_files(params.data, ctx.recipe_dir, "data")
+    if len(paths) != 1:
+        raise ParamError(("data",), f"{params.data!r} names {len(paths)} files; IFEval's data is one jsonl file")
+    return load_prompts(paths[0], params.limit)

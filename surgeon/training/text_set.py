@@ -155,9 +155,7 @@ def self_distill_chats(
 ) -> SelfDistilled:
     """Conversations whose assistant turns the teacher wrote (through the engine; cached on disk by
     teacher, prompts and settings)."""
-    prompts = conversations(spec, files)
-    chats = [chat for chat in prompts for _ in range(spec.samples)]
-    asked = follow_ups(len(chats), spec.follow_up, spec.seed)
+    prompts, chats, asked = _requests(spec, files)
     key = answers_key(fingerprint, chats, asked, spec.settings())
     if teacher is None and cached_entry(key) is None:
         raise DataError("self_distill needs the teacher model")
@@ -165,11 +163,16 @@ def self_distill_chats(
     return SelfDistilled(answered.chats, len(prompts), answered.seconds, answered.tokens, answered.cached)
 
 
-def describe_self_distill(spec: SelfDistill, files: dict[str, list[Path]], fingerprint: str) -> str:
-    """For `plan`: how many conversations, and whether they are cached or how long making them takes."""
+def _requests(spec: SelfDistill, files: dict[str, list[Path]]) -> tuple[list, list, list]:
+    """(distinct prompts, the conversations the teacher answers: `samples` of each, their follow-ups)."""
     prompts = conversations(spec, files)
     chats = [chat for chat in prompts for _ in range(spec.samples)]
-    asked = follow_ups(len(chats), spec.follow_up, spec.seed)
+    return prompts, chats, follow_ups(len(chats), spec.follow_up, spec.seed)
+
+
+def describe_self_distill(spec: SelfDistill, files: dict[str, list[Path]], fingerprint: str) -> str:
+    """For `plan`: how many conversations, and whether they are cached or how long making them takes."""
+    prompts, chats, asked = _requests(spec, files)
     follow = sum(q is not None for q in asked)
     what = f"{len(chats)} teacher answers to {len(prompts)} prompts" + (
         f", {follow} with a follow-up" if follow else ""
