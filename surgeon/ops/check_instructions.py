@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..measure.instructions import ITEMS, instruction_check
 from ..recipe.patient import Patient, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
+from ..vision.graft import language_model
 
 log = logging.getLogger(__name__)
 _PARENT_RESULTS: dict[str, dict] = {}  # the parent is scored once per process
@@ -37,7 +38,7 @@ class CheckInstructions(Operation):
         if key not in _PARENT_RESULTS:
             _PARENT_RESULTS[key] = instruction_check(patient.parent, patient.tokenizer, params.max_new_tokens)
         parent = _PARENT_RESULTS[key]
-        mine = instruction_check(patient.model, patient.tokenizer, params.max_new_tokens)
+        mine = instruction_check(language_model(patient.model), patient.tokenizer, params.max_new_tokens)
         name = ctx.stage_name(params.name)
         log.info(
             "%s: %d/%d instructions right (parent %d/%d)",

@@ -15,6 +15,7 @@ from ..recipe.patient import Patient, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
 from ..surgery.architecture import language_config
 from ..text import TextData, describe_files
+from ..vision.graft import language_model
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ class Evaluate(Operation):
         # fp32 for the reference: an evaluation should not inherit bf16's broken near-ties.
         settings = AnswerSettings(max_new_tokens=spec.max_new_tokens, dtype="float32")
         answered = answer(reference, patient.tokenizer, chats, settings, fingerprint)
-        metrics = chat_compare(patient.model, reference, patient.tokenizer, answered.chats, answered.answer_ids)
+        metrics = chat_compare(
+            language_model(patient.model), reference, patient.tokenizer, answered.chats, answered.answer_ids
+        )
         sources = [f"{len(spec.prompts)} inline"] if spec.prompts else []
         sources += [describe_files(found) for found in files.values()]
         stage = Stage(

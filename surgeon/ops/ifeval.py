@@ -13,6 +13,7 @@ from ..measure.ifeval import HUB_DATASET, IfevalPrompt, load_prompts, run_ifeval
 from ..recipe.patient import Patient, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
 from ..text import resolve_files
+from ..vision.graft import language_model
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Ifeval(Operation):
     Params = IfevalParams
     summary = "IFEval: prompt- and instruction-level accuracy, strict and loose; patient and parent"
     measures = True
+    accepts_vlm = True  # it answers through the language model
 
     def plan(self, params: IfevalParams, state: ModelState, ctx: StepContext):
         name = ctx.stage_name(params.name)
@@ -51,7 +53,7 @@ class Ifeval(Operation):
         prompts = ctx.facts.get("prompts") or _prompts(params, ctx)
         args = (prompts, params.max_tokens, params.dtype)
         parent = run_ifeval(patient.parent, patient.tokenizer, patient.base.fingerprint(), *args)
-        mine = run_ifeval(patient.model, patient.tokenizer, patient.fingerprint(), *args)
+        mine = run_ifeval(language_model(patient.model), patient.tokenizer, patient.fingerprint(), *args)
         name = ctx.stage_name(params.name)
         m, p = mine["metrics"], parent["metrics"]
         log.info("%s: IFEval %.3f (parent %.3f) over %d prompts", name, m["ifeval"], p["ifeval"], m["prompts"])

@@ -129,3 +129,9 @@ def processor_for(model, tokenizer) -> VLMProcessor:
 
 def is_vlm(model) -> bool:
     return families.is_surgeon_vlm(model.config)
+
+
+def language_model(model):
+    """The causal LM that answers text: a VLM's own language model, else the model itself (text-only
+    measures such as chat_kl and IFEval run on it through the engine)."""
+    return model.language_model if is_vlm(model) else model
