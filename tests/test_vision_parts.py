@@ -212,3 +212,48 @@ def test_real_efficientnet_features_separate_mnist_digits():
 
     real, chance = accuracy(trained), accuracy(random_init)
     assert real > 0.75 and real > chance + 0.1, (real, chance)
+
+
+@pytest.mark.parametrize("style", ["varied", "second"])
+def test_other_styles_draw_the_same_scenes_another_way(style):
+    """The answers do not change with the style; the pictures do (canvas, colours, drawing), and
+    every shape's centre is still nearest its named colour."""
+    plain = SyntheticQuestions(seed=3, size=96, kinds=("colour", "shape", "count"))
+    other = SyntheticQuestions(seed=3, size=96, kinds=("colour", "shape", "count"), style=style)
+    names, palette = list(COLOURS), np.array(list(COLOURS.values()), dtype=float)
+    sizes = set()
+    for index in range(60):
+        scene, theirs = plain.scene("heldout", index), other.scene("heldout", index)
+        assert (scene.kind, scene.answer, scene.items) == (theirs.kind, theirs.answer, theirs.items)
+        image = other.render(theirs)
+        sizes.add(image.size)
+        assert image.tobytes() != plain.render(scene).tobytes()
+        pixels = np.asarray(image, dtype=float)
+        sx, sy = image.size[0] / plain.size, image.size[1] / plain.size
+        for item in theirs.items:
+            centre = pixels[int(item["y"] * sy), int(item["x"] * sx)]
+            assert names[int(np.linalg.norm(palette - centre, axis=1).argmin())] == item["colour"], (index, item)
+    assert len(sizes) >= 4  # other canvas sizes and aspect ratios
+    again = SyntheticQuestions(seed=3, size=96, kinds=("colour", "shape", "count"), style=style)
+    assert again.render(again.scene("heldout", 5)).tobytes() == other.render(other.scene("heldout", 5)).tobytes()
+
+
+def test_the_second_renderer_is_for_measurement_only(tmp_path, capsys):
+    from pydantic import ValidationError
+
+    from surgeon.training.heal_data import SyntheticImages
+
+    with pytest.raises(ValidationError, match="shapes only"):
+        SyntheticImages(examples=4, style="second")  # the default kinds include word
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "name: r\nbase: smollm2-135m-instruct\nsteps:\n"
+        "  - graft_vision: {tower: {timm: tf_efficientnet_lite0}, projector: mlp2x_gelu}\n"
+        "  - heal:\n      data: {sources: [{synthetic: {examples: 8, kinds: [count], style: second}}]}\n"
+        "      train: {params: [projector]}\n      steps: 2\n"
+    )
+    from surgeon import cli
+
+    assert cli.main(["plan", str(recipe)]) != 0
+    err = capsys.readouterr().err
+    assert "r.yaml:6" in err and "measurement only" in err, err

@@ -68,7 +68,7 @@ class EvaluateVision(Operation):
             answers = greedy_answers(
                 vlm, patient.tokenizer, examples, tower, batch=params.batch_size, max_new_tokens=params.max_new_tokens
             )
-            label = source.kind
+            label = _label(source)
             result = score(examples, answers)
             if params.shuffled_control:
                 pairing = _same_image_count_derangement(examples)
@@ -107,3 +107,10 @@ def _same_image_count_derangement(examples) -> list[int]:
         for position, target in enumerate(derangement(len(members))):
             pairing[members[position]] = members[target]
     return pairing
+
+
+def _label(source) -> str:
+    """A source's name in the metrics: its kind, with the drawing style where scenes are not plain."""
+    if source.kind == "synthetic" and source.synthetic.style != "plain":
+        return f"synthetic_{source.synthetic.style}"
+    return source.kind

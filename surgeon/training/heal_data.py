@@ -29,7 +29,8 @@ class SelfDistill(PromptSources, AnswerSettings):
 
 
 class SyntheticImages(BaseModel):
-    """Rendered image questions (surgeon.vision.synthetic): `examples` of the train stream."""
+    """Rendered image questions (surgeon.vision.synthetic): `examples` of the train stream.
+    `style`: how scenes are drawn (plain, varied, or second: another renderer, measurement only)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -43,6 +44,13 @@ class SyntheticImages(BaseModel):
     ]
     seed: int = 0
     split: Literal["train", "heldout"] = "train"
+    style: Literal["plain", "varied", "second"] = "plain"
+
+    @model_validator(mode="after")
+    def _second_draws_shapes(self):
+        if self.style == "second" and "word" in self.kinds:
+            raise ValueError("the second renderer draws shapes only: leave 'word' out of kinds")
+        return self
 
 
 class MnistDigits(BaseModel):

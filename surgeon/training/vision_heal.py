@@ -45,6 +45,11 @@ def plan_vision_heal(params, state: ModelState, ctx: StepContext):
                 f"a {source.kind} source holds no images: a grafted VLM "
                 "trains on synthetic, mnist or jsonl image records",
             )
+        if source.kind == "synthetic" and source.synthetic.style == "second":
+            raise ParamError(
+                ("data", "sources", index, "synthetic", "style"),
+                "the second renderer is for measurement only (training never sees it): train on plain or varied",
+            )
     ctx.facts["files"] = check_sources(params.data.sources, ctx.recipe_dir)
     with torch.device("meta"):
         meta_model = SurgeonVLMForConditionalGeneration(state.config)

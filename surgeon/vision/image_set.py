@@ -96,13 +96,13 @@ def source_records(source: DataSource, files: list[Path]) -> list[dict]:
 
 
 def _synthetic(spec: SyntheticImages) -> list[dict]:
-    generator = SyntheticQuestions(seed=spec.seed, kinds=tuple(spec.kinds))
+    generator = SyntheticQuestions(seed=spec.seed, kinds=tuple(spec.kinds), style=spec.style)
     records = []
     for index in range(spec.examples):
         scene = generator.scene(spec.split, index)
         record = chat_record(None, scene.question, scene.answer, kind=scene.kind)
         record["images"] = [partial(generator.render, scene)]
-        record["key"] = f"synthetic:{spec.seed}:{spec.split}:{index}"
+        record["key"] = f"synthetic:{spec.style}:{spec.seed}:{spec.split}:{index}"
         records.append(record)
     return records
 
@@ -223,7 +223,9 @@ def build_vision_set(data: HealData, files: dict[int, list[Path]], processor: VL
 def describe_source(source: DataSource) -> str:
     """An image source in a few words, for plans and model cards."""
     if source.kind == "synthetic":
-        return f"{source.synthetic.examples} synthetic {source.synthetic.split} ({', '.join(source.synthetic.kinds)})"
+        spec = source.synthetic
+        style = "" if spec.style == "plain" else f", drawn {spec.style}"
+        return f"{spec.examples} synthetic {spec.split} ({', '.join(spec.kinds)}{style})"
     if source.kind == "mnist":
         return f"MNIST {source.mnist.rows or source.mnist.split}" + (
             f" ({source.mnist.examples})" if source.mnist.examples else ""

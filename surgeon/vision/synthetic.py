@@ -5,16 +5,23 @@ colour ("What colour is the shape?"), shape, count (1-5 identical shapes), posit
 named shape is on) and a short rendered word. Example i of a split is a pure function of
 (seed, split, i); train and held-out draw from different streams, so their scenes differ
 (positions and sizes are continuous; `examples` refuses an image it has already produced).
+
+Styles draw the same scene three ways: `plain` (a square canvas, flat colours, upright shapes),
+`varied` (for training: other canvas sizes and aspect ratios, colours jittered, shapes turned and
+sometimes outlined, gradient backgrounds, a little blur) and `second` (second_renderer.py: other
+drawing code, for measurement only), so a graft can be trained on variety and judged on drawings
+it never saw.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 COLOURS = {
     "red": (215, 38, 38),
@@ -28,6 +35,7 @@ SHAPES = ("circle", "square", "triangle")
 WORDS = ("cat", "dog", "sun", "tree", "book", "fish", "car", "hat", "cup", "box", "map", "key")
 COUNT_WORDS = ("one", "two", "three", "four", "five")
 KINDS = ("colour", "shape", "count", "position", "word")
+STYLES = ("plain", "varied", "second")
 QUESTIONS = {
     "colour": "What colour is the shape?",
     "shape": "What shape is this?",
@@ -49,19 +57,27 @@ class Scene:
     word_xy: tuple[int, int] | None = None
     word_colour: str | None = None
     background: tuple[int, int, int] = (255, 255, 255)
+    key: str = ""  # seed:split:index, which seeds how a style draws it
 
 
 class SyntheticQuestions:
     """`examples(split, n)` -> records {"images", "messages", "answer", "kind"} in the chat format
     the vision data loader reads; `scene(split, i)` is the drawn content behind record i."""
 
-    def __init__(self, seed: int = 0, size: int = 224, kinds: tuple[str, ...] = KINDS):
+    def __init__(self, seed: int = 0, size: int = 224, kinds: tuple[str, ...] = KINDS, style: str = "plain"):
         unknown = set(kinds) - set(KINDS)
         if unknown:
             raise ValueError(f"unknown question kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
-        self.seed, self.size, self.kinds = seed, size, tuple(kinds)
+        if style not in STYLES:
+            raise ValueError(f"unknown style {style!r}; choose from {', '.join(STYLES)}")
+        self.seed, self.size, self.kinds, self.style = seed, size, tuple(kinds), style
 
     def scene(self, split: str, index: int) -> Scene:
+        scene = self._layout(split, index)
+        scene.key = f"{self.seed}:{split}:{index}"
+        return scene
+
+    def _layout(self, split: str, index: int) -> Scene:
         rng = random.Random(f"surgeon-synthetic:{self.seed}:{split}:{index}")
         kind = self.kinds[rng.randrange(len(self.kinds))]
         shade = rng.randint(225, 255)
@@ -121,6 +137,12 @@ class SyntheticQuestions:
         return items
 
     def render(self, scene: Scene) -> Image.Image:
+        if self.style == "varied":
+            return _render_varied(scene, self.size)
+        if self.style == "second":
+            from .second_renderer import render_second
+
+            return render_second(scene, self.size, scene.key)
         image = Image.new("RGB", (self.size, self.size), scene.background)
         draw = ImageDraw.Draw(image)
         for item in scene.items:
@@ -164,3 +186,40 @@ def _draw_shape(draw: ImageDraw.ImageDraw, item: dict) -> None:
         draw.rectangle([x - side, y - side, x + side, y + side], fill=fill)
     else:
         draw.polygon([(x, y - r), (x - r * 0.95, y + r * 0.75), (x + r * 0.95, y + r * 0.75)], fill=fill)
+
+
+def _render_varied(scene: Scene, size: int) -> Image.Image:
+    """The scene with its look varied (for training): the canvas stretched to another size and
+    aspect ratio, a vertical gradient behind, colours jittered, squares and triangles turned,
+    some shapes outlined, some images softened."""
+    rng = random.Random(f"surgeon-varied:{scene.key}")
+    width, height = (int(size * rng.uniform(0.7, 1.45)) for _ in range(2))
+    sx, sy = width / size, height / size
+    top, bottom = scene.background, tuple(min(255, max(190, c + rng.randint(-30, 15))) for c in scene.background)
+    image = Image.linear_gradient("L").resize((width, height))
+    image = Image.merge("RGB", [image.point(lambda v, a=a, b=b: a + (b - a) * v / 255) for a, b in zip(top, bottom)])
+    draw = ImageDraw.Draw(image)
+    outline = rng.random() < 0.35
+    for item in scene.items:
+        fill = tuple(min(255, max(0, c + rng.randint(-16, 16))) for c in COLOURS[item["colour"]])
+        x, y, r = item["x"] * sx, item["y"] * sy, item["r"] * (sx * sy) ** 0.5
+        angle = rng.uniform(-35, 35)
+        edge = tuple(int(c * 0.6) for c in fill) if outline else None
+        width_px = rng.randint(1, 3) if outline else 0
+        if item["shape"] == "circle":
+            draw.ellipse([x - r, y - r, x + r, y + r], fill=fill, outline=edge, width=width_px)
+        else:
+            corners = (45, 135, 225, 315) if item["shape"] == "square" else (-90, 30, 150)
+            reach = r * (0.85 * 2**0.5 if item["shape"] == "square" else 1.0)
+            points = [
+                (x + reach * math.cos(math.radians(a + angle)), y + reach * math.sin(math.radians(a + angle)))
+                for a in corners
+            ]
+            draw.polygon(points, fill=fill, outline=edge, width=width_px)
+    if scene.word is not None:
+        font = ImageFont.load_default(size=max(12, int(min(width, height) / 6 * rng.uniform(0.8, 1.2))))
+        xy = (scene.word_xy[0] * sx, scene.word_xy[1] * sy)
+        draw.text(xy, scene.word, fill=COLOURS[scene.word_colour], font=font)
+    if rng.random() < 0.3:
+        image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.4, 1.0)))
+    return image
