@@ -191,13 +191,13 @@ def test_abort_frees_blocks_and_bad_requests_say_why(tiny_llama):
         SamplingParams(temperature=-1)
 
 
-def _tiny_vlm_export(folder, tokenizer_dir):
+def _tiny_vlm_export(folder, tokenizer_dir, text=None):
     from test_vlm import tiny_vlm
 
     from surgeon.vision.processor import add_image_token
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = tiny_vlm()
+    model = tiny_vlm(text=text)
     with torch.no_grad():  # larger than the default init, so the LM's greedy tokens depend on the image
         for param in model.language_model.parameters():
             if param.dim() == 2:
@@ -230,6 +230,27 @@ def test_vlm_export_matches_transformers_and_repeated_images_are_free(tmp_path, 
     assert again == expected[0]
     assert llm.vision.encoded == encoded  # neither re-encoded...
     assert llm.blocks.hits - hits >= model.config.image_seq_length  # ...nor re-prefilled
+
+
+def test_a_vlm_over_sparse_attention_decodes_like_transformers(tmp_path, tokenizer_dir):
+    """The flagship's shape: eyes grafted onto a DSA language model, served with the engine's sparse
+    decode path and image prefill (16 image tokens and the chat template: far more than k = 8)."""
+    from surgeon.vision.graft import processor_for
+
+    sparse = {"top_k": 8, "sinks": 2, "window": 3, "index_heads": 2, "index_dim": 16, "rope_dim": 8, "layers": [1, 2]}
+    text = SurgeonSparseLlamaConfig(sparse_attention=sparse, **tiny_config("llama").to_dict())
+    model, tokenizer = _tiny_vlm_export(tmp_path, tokenizer_dir, text=text)
+    processor = processor_for(model, tokenizer)
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many shapes?"}]}]
+    llm = LLM(str(tmp_path), block_size=4, max_batched_tokens=8)
+    assert llm.is_vlm and llm.model.sparse_layers == [1, 2]
+    for image in (Image.new("RGB", (40, 40), (220, 30, 30)), Image.new("RGB", (40, 40), (20, 40, 230))):
+        inputs = processor.prompt(chat, [image])
+        assert inputs["input_ids"].shape[1] > 2 * sparse["top_k"]
+        model.generation_config.eos_token_id = None
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+        assert llm.generate([chat], GREEDY, images=[[image]])[0].token_ids == expected
 
 
 def test_llava_layout_export_matches_transformers(tmp_path, tokenizer_dir):

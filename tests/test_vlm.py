@@ -12,8 +12,8 @@ from surgeon.errors import DataError
 from surgeon.modeling import SurgeonVLMConfig, SurgeonVLMForConditionalGeneration
 
 
-def tiny_vlm(projector: str = "mlp2x_gelu", timm: bool = False) -> SurgeonVLMForConditionalGeneration:
-    text = tiny_config("llama")
+def tiny_vlm(projector: str = "mlp2x_gelu", timm: bool = False, text=None) -> SurgeonVLMForConditionalGeneration:
+    text = text or tiny_config("llama")
     torch.manual_seed(0)
     if timm:
         config = SurgeonVLMConfig(
