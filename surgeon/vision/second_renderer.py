@@ -18,14 +18,13 @@ import random
 import numpy as np
 from PIL import Image
 
-from .synthetic import COLOURS, Scene
-
 CANVASES = ((320, 200), (200, 320), (288, 288), (384, 256), (180, 240), (256, 352))
 SUPERSAMPLE = 3
 
 
-def render_second(scene: Scene, size: int, key: str) -> Image.Image:
-    """`scene` was laid out on a `size` x `size` square; draw it on another canvas, another way."""
+def render_second(scene, size: int, key: str, colours: dict) -> Image.Image:
+    """`scene` (a synthetic.Scene) was laid out on a `size` x `size` square; draw it on another canvas,
+    another way. `colours` is synthetic's colour table, passed in so this module imports nothing back."""
     rng = random.Random(f"surgeon-second-renderer:{key}")
     width, height = rng.choice(CANVASES)
     sx, sy = width / size, height / size
@@ -42,7 +41,7 @@ def render_second(scene: Scene, size: int, key: str) -> Image.Image:
             inside = _coverage(item["shape"], xs - cx - 0.12 * r, ys - cy - 0.12 * r, r, angle, blur=0.25 * r)
             canvas *= 1 - 0.18 * inside[..., None]
         inside = _coverage(item["shape"], xs - cx, ys - cy, r, angle, blur=0.6)
-        colour = _nearby_colour(rng, COLOURS[item["colour"]])
+        colour = _nearby_colour(rng, colours[item["colour"]])
         canvas = canvas * (1 - inside[..., None]) + colour * inside[..., None]
     if scene.word is not None:
         raise ValueError("the second renderer draws shapes only: leave 'word' out of its kinds")

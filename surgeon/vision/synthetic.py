@@ -142,7 +142,7 @@ class SyntheticQuestions:
         if self.style == "second":
             from .second_renderer import render_second
 
-            return render_second(scene, self.size, scene.key)
+            return render_second(scene, self.size, scene.key, COLOURS)
         image = Image.new("RGB", (self.size, self.size), scene.background)
         draw = ImageDraw.Draw(image)
         for item in scene.items:
