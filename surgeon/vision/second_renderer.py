@@ -22,10 +22,12 @@ CANVASES = ((320, 200), (200, 320), (288, 288), (384, 256), (180, 240), (256, 35
 SUPERSAMPLE = 3
 
 
-def render_second(scene, size: int, key: str, colours: dict) -> Image.Image:
+def render_second(scene, size: int, colours: dict) -> Image.Image:
     """`scene` (a synthetic.Scene) was laid out on a `size` x `size` square; draw it on another canvas,
     another way. `colours` is synthetic's colour table, passed in so this module imports nothing back."""
-    rng = random.Random(f"surgeon-second-renderer:{key}")
+    if scene.word is not None:
+        raise ValueError("the second renderer draws shapes only: leave 'word' out of its kinds")
+    rng = random.Random(f"surgeon-second-renderer:{scene.key}")
     width, height = rng.choice(CANVASES)
     sx, sy = width / size, height / size
     s = SUPERSAMPLE
@@ -43,8 +45,6 @@ def render_second(scene, size: int, key: str, colours: dict) -> Image.Image:
         inside = _coverage(item["shape"], xs - cx, ys - cy, r, angle, blur=0.6)
         colour = _nearby_colour(rng, colours[item["colour"]])
         canvas = canvas * (1 - inside[..., None]) + colour * inside[..., None]
-    if scene.word is not None:
-        raise ValueError("the second renderer draws shapes only: leave 'word' out of its kinds")
     pixels = canvas.reshape(height, s, width, s, 3).mean(axis=(1, 3))
     pixels += np.random.default_rng(rng.getrandbits(32)).normal(0, 3.0, pixels.shape)
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
+from .second_renderer import render_second
+
 COLOURS = {
     "red": (215, 38, 38),
     "green": (34, 160, 64),
@@ -140,9 +142,7 @@ class SyntheticQuestions:
         if self.style == "varied":
             return _render_varied(scene, self.size)
         if self.style == "second":
-            from .second_renderer import render_second
-
-            return render_second(scene, self.size, scene.key, COLOURS)
+            return render_second(scene, self.size, COLOURS)
         image = Image.new("RGB", (self.size, self.size), scene.background)
         draw = ImageDraw.Draw(image)
         for item in scene.items:
