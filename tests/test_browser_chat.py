@@ -18,10 +18,31 @@ if shutil.which("chromium") is None:
         raise RuntimeError("CI=true but no Chromium binary: .ci/run should have installed Debian's chromium")
     pytest.skip("no Chromium binary (Debian: apt install chromium; .ci/run installs it)", allow_module_level=True)
 
-from test_chat_app import chatty_vlm  # noqa: F401  (a fixture: a tiny VLM whose replies are printable)
+from test_chat_app import _speaks_ascii
 
 from surgeon.demos.browser import CHROMIUM, ask, free_port
 from surgeon.demos.chat import build_demo
+
+MARKDOWN_SIGNS = set("*_~`#<>[]()!|&\\-+=:")
+
+
+def _renders_as_itself(text: str) -> bool:
+    return text.isascii() and text.isprintable() and not MARKDOWN_SIGNS & set(text)
+
+
+@pytest.fixture(scope="module")
+def plain_spoken_vlm(tmp_path_factory, tokenizer_dir):
+    """A tiny VLM whose replies hold no Markdown signs, even when sampled (the page's default is
+    temperature 0.7, top-p 0.9). The page renders replies as Markdown, so a sampled `_` or `*` could
+    turn an earlier prefix into emphasis and the rendered text would not grow by appending; these
+    replies render as themselves."""
+    from test_engine import _tiny_vlm_export
+
+    folder = tmp_path_factory.mktemp("plain-spoken-vlm")
+    model, tokenizer = _tiny_vlm_export(folder, tokenizer_dir)
+    _speaks_ascii(model, tokenizer, speakable=_renders_as_itself, lift=8.0)
+    model.save_pretrained(folder)
+    return folder
 
 
 def _with_a_model_card(model: Path, folder: Path) -> Path:
@@ -54,10 +75,10 @@ def _with_a_model_card(model: Path, folder: Path) -> Path:
     return folder
 
 
-def test_the_browser_uploads_an_image_and_sees_the_streamed_answer(chatty_vlm, tmp_path):  # noqa: F811
+def test_the_browser_uploads_an_image_and_sees_the_streamed_answer(plain_spoken_vlm, tmp_path):
     png = tmp_path / "blue.png"
     Image.new("RGB", (64, 64), (20, 40, 230)).save(png)
-    model = _with_a_model_card(chatty_vlm, tmp_path / "with-card")
+    model = _with_a_model_card(plain_spoken_vlm, tmp_path / "with-card")
     demo = build_demo(str(model), engine_options={"kv_cache_tokens": 1024})
     port = free_port()
     demo.launch(prevent_thread_lock=True, server_port=port, quiet=True)
@@ -70,7 +91,7 @@ def test_the_browser_uploads_an_image_and_sees_the_streamed_answer(chatty_vlm, t
         demo.close()
         demo.session.close()
     assert answer and seen and seen[-1] == answer
-    assert all(later.startswith(earlier) for earlier, later in zip(seen, seen[1:]))  # it only grew
+    assert all(later.startswith(earlier) for earlier, later in zip(seen, seen[1:])), seen  # it only grew
     header = shot.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (1280, 900)
     # The card panel's metrics table reads at 1280 px: no header or number broken over lines.

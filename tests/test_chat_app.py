@@ -51,21 +51,24 @@ def served():
         demo.session.close()
 
 
-def _speaks_ascii(model, tokenizer) -> None:
+def _printable_ascii(text: str) -> bool:
+    return text.isascii() and text.isprintable()
+
+
+def _speaks_ascii(model, tokenizer, speakable=_printable_ascii, lift: float = 1.0) -> None:
     """A random model's greedy tokens are mostly stray bytes, which never decode to text (the engine
     holds back partial UTF-8), so nothing would stream. Zeroing every other token's embedding row
-    (tied to the LM head) gives those logit 0, below the best printable token's."""
+    (tied to the LM head) gives those logit 0, below the best `speakable` token's. That holds for
+    greedy decoding; `lift` scales the speakable rows so the best of them stands far above 0 and
+    sampling (temperature, top-p) never reaches a silent token either."""
     special = set(tokenizer.all_special_ids)
-    printable = [
-        i
-        for i in range(len(tokenizer))
-        if i not in special and (s := tokenizer.decode([i])) and s.isascii() and s.isprintable()
-    ]
+    printable = [i for i in range(len(tokenizer)) if i not in special and (s := tokenizer.decode([i])) and speakable(s)]
     weight = model.get_input_embeddings().weight
     silent = torch.ones(weight.shape[0], dtype=torch.bool)
     silent[printable] = False
     with torch.no_grad():
         weight[silent] = 0
+        weight[~silent] *= lift
 
 
 @pytest.fixture(scope="module")

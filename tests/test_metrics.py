@@ -10,7 +10,7 @@ import torch
 
 from conftest import FAMILIES
 from surgeon.checkpoints.sources import resolve_source
-from surgeon.measure.metrics import compare_to_parent, parent_reference
+from surgeon.measure.metrics import compare_to_parent, log_probabilities, parent_reference
 from surgeon.text import TextData, token_windows
 
 
@@ -85,3 +85,15 @@ def test_chunked_logits_equal_the_models_own(family, tiny_models):
     assert torch.allclose(chunked, expected, atol=1e-5)
     if family == "gemma3":
         assert expected.abs().max() <= 5.0  # the soft cap really is exercised
+
+
+def test_log_probabilities_are_a_distribution_to_float_precision():
+    # An LM-shaped row: a 49k vocabulary, a few likely tokens, a long tail. Any mass error here
+    # enters KL(parent || child) whole, so it must sit far below a real child's KL (~1e-2).
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=generator) * 3
+    logits[:, :8] += 12
+    mass = log_probabilities(logits.clone()).double().exp().sum(-1)
+    assert (mass - 1).abs().max() < 5e-6  # torch.log_softmax: 3e-5 on AVX2
+    reference = torch.log_softmax(logits.double(), -1)
+    assert torch.allclose(log_probabilities(logits.clone()).double(), reference, atol=1e-5)

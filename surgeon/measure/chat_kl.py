@@ -10,9 +10,9 @@ for as long as its argmax equals them).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..chat import chat_ids
+from .metrics import log_probabilities
 
 FIRST_TOKENS = 16
 
@@ -40,8 +40,8 @@ def chat_compare(
         for i, (row, answer_start) in enumerate(group):
             # Positions answer_start-1 .. len-2 predict the answer's tokens.
             span = slice(answer_start - 1, len(row) - 1)
-            p_log = F.log_softmax(theirs[i, span], -1)
-            q_log = F.log_softmax(mine[i, span], -1)
+            p_log = log_probabilities(theirs[i, span].clone())
+            q_log = log_probabilities(mine[i, span].clone())
             kls.append((p_log.exp() * (p_log - q_log)).sum(-1).clamp_min(0).cpu())
             target = ids[i, answer_start : len(row)]
             my_top, their_top = mine[i, span].argmax(-1), theirs[i, span].argmax(-1)

@@ -43,6 +43,15 @@ class ParentReference:
         return str(self.folder / f"window-{index:05d}.safetensors")
 
 
+def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the last axis, in place, as logits - logsumexp(logits).
+
+    Not torch.log_softmax: its vectorised CPU kernel (AVX2 at least) leaves sum(exp) off 1 by
+    ~1.6e-5, a bias that enters every KL whole; logsumexp is exact to ~1e-8 (tests/test_metrics.py).
+    """
+    return logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
+
+
 def windows_digest(windows: torch.Tensor) -> str:
     return hashlib.sha256(windows.numpy().tobytes() + str(tuple(windows.shape)).encode()).hexdigest()[:16]
 
@@ -65,7 +74,7 @@ def iter_logprob_chunks(model, windows: torch.Tensor, desc: str) -> Iterator[tup
         for start in range(0, length - 1, chunk):
             positions = slice(start, min(start + chunk, length - 1))
             logits = output_logits(model, hidden[positions])
-            yield index, positions, logits.sub_(logits.logsumexp(dim=-1, keepdim=True)).cpu()  # log-softmax
+            yield index, positions, log_probabilities(logits).cpu()
 
 
 def parent_reference(
@@ -116,8 +125,8 @@ def compare_to_parent(child_model, windows: torch.Tensor, reference: ParentRefer
             parent_nll.append(handle.get_tensor("nll").clone())
             parent_argmax = handle.get_tensor("argmax").clone()
         # Renormalise the fp16 log-probs so the parent side is an exact distribution: KL stays >= 0
-        # and a model compared with itself scores ~1e-6, not rounding noise of either sign.
-        parent_logprobs = torch.log_softmax(handle.get_slice("logprobs")[positions].float(), dim=-1)
+        # and a model compared with itself scores ~5e-7 (the fp16 rounding), not noise of either sign.
+        parent_logprobs = log_probabilities(handle.get_slice("logprobs")[positions].float())
         kls.append((parent_logprobs.exp() * (parent_logprobs - child_logprobs)).sum(-1).clamp_min(0))
         agree.append(child_logprobs.argmax(-1) == parent_argmax[positions].long())
         targets = windows[index, 1:][positions]
