@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import DataError, ParamError
+from .instruction_prompts import TopicPrompts, topic_prompts
 from .text import read_jsonl, resolve_files
 
 # Over a passage: what a reader asks of a text they have in front of them. "{p}" is the passage.
@@ -70,7 +71,8 @@ class PassagePrompts(BaseModel):
 
 class PromptSources(BaseModel):
     """Any of `prompts` (inline), `prompts_file` (text: one prompt per line; jsonl: records with
-    `prompt` or chat `messages`) and `from_text` (instructions over passages), in that order.
+    `prompt` or chat `messages`), `from_text` (instructions over passages) and `from_topics`
+    (instructions composed over surgeon's own topics, with answer-format constraints), in that order.
     `follow_up`: the share of conversations that get a second user turn after the first answer.
     `system`: a system message put before each conversation."""
 
@@ -79,13 +81,14 @@ class PromptSources(BaseModel):
     prompts: list[str] | None = Field(None, min_length=1)
     prompts_file: str | list[str] | None = None
     from_text: PassagePrompts | None = None
+    from_topics: TopicPrompts | None = None
     follow_up: float = Field(0.0, ge=0.0, le=1.0)
     system: str | None = None
 
     @model_validator(mode="after")
     def _some(self):
-        if self.prompts is None and self.prompts_file is None and self.from_text is None:
-            raise ValueError("give prompts: `prompts` (a list), `prompts_file` or `from_text`")
+        if all(s is None for s in (self.prompts, self.prompts_file, self.from_text, self.from_topics)):
+            raise ValueError("give prompts: `prompts` (a list), `prompts_file`, `from_text` or `from_topics`")
         return self
 
     def check_files(self, base_dir: Path) -> dict[str, list[Path]]:
@@ -108,6 +111,8 @@ def conversations(spec: PromptSources, files: dict[str, list[Path]]) -> list[lis
     chats += read_prompt_files(files.get("prompts_file", []))
     if spec.from_text is not None:
         chats += [[user(p)] for p in passage_prompts(spec.from_text, files["from_text"])]
+    if spec.from_topics is not None:
+        chats += [[user(p)] for p in topic_prompts(spec.from_topics)]
     if spec.system:
         chats = [[{"role": "system", "content": spec.system}, *chat] for chat in chats]
     return chats

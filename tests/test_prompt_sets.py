@@ -11,6 +11,7 @@ import yaml
 
 from conftest import ROOT, SHARED_DATA, requires_shared_data
 from surgeon.errors import DataError
+from surgeon.instruction_prompts import CONSTRAINTS, TASKS, TOPICS, TopicPrompts, topic_prompts
 from surgeon.measure.instructions import ITEMS
 from surgeon.prompts import PASSAGE_TASKS, PassagePrompts, PromptSources, conversations, follow_ups, read_prompt_files
 
@@ -36,6 +37,43 @@ def test_shipped_sets_are_disjoint_from_every_evaluation():
         ifeval = {normalised(json.loads(line)["prompt"]) for line in IFEVAL.read_text().splitlines() if line.strip()}
         assert len(ifeval) == 541
         assert not heal & ifeval and not evaluation & ifeval
+
+
+def _evaluation_texts() -> set[str]:
+    texts = prompt_texts(PROMPTS / "chat-eval.txt") | {normalised(item.prompt) for item in ITEMS}
+    if IFEVAL.is_file():
+        texts |= {normalised(json.loads(line)["prompt"]) for line in IFEVAL.read_text().splitlines() if line.strip()}
+    return texts
+
+
+def test_composed_instructions_are_distinct_varied_and_never_an_evaluation_prompt():
+    prompts = topic_prompts(TopicPrompts(count=20000))
+    assert prompts == topic_prompts(TopicPrompts(count=20000)) and len(set(prompts)) == 20000
+    assert prompts[:100] != topic_prompts(TopicPrompts(count=100, seed=1))
+    assert not {normalised(p) for p in prompts} & _evaluation_texts()
+    # Every task and nearly every topic is asked about; about half carry an answer-format constraint.
+    assert all(any(p.startswith(task.split("{")[0]) for p in prompts) for task in TASKS)
+    assert sum(any(topic in p for p in prompts[:5000]) for topic in TOPICS) >= 0.95 * len(TOPICS)
+    starts = [c.split("{")[0].split("'")[0] for c in CONSTRAINTS]
+    # (on the first 2,000: at 20,000 the unconstrained combinations run short and the rest carry one)
+    carrying = sum(any(f". {s}" in p or f"? {s}" in p for s in starts) for p in prompts[:2000])
+    assert 0.4 < carrying / 2000 < 0.6
+    constrained = topic_prompts(TopicPrompts(count=2000, constrained=1.0))
+    unconstrained = topic_prompts(TopicPrompts(count=2000, constrained=0.0))
+    assert sum(len(p) for p in constrained) > 1.3 * sum(len(p) for p in unconstrained)
+    with pytest.raises(DataError, match="distinct prompts"):
+        topic_prompts(TopicPrompts(count=100_000, constrained=0.0))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_composed_instructions_a_recipe_heals_on_are_not_evaluated(path):
+    recipe = yaml.safe_load(path.read_text())
+    for heal in _sources(recipe, "heal"):
+        for source in heal.get("data", {}).get("sources", []):
+            topics = (source.get("self_distill") or {}).get("from_topics")
+            if topics:
+                composed = {normalised(p) for p in topic_prompts(TopicPrompts(**topics))}
+                assert not composed & _evaluation_texts()
 
 
 def _sources(recipe: dict, op: str):
