@@ -24,12 +24,14 @@ def build_demo(model: str | None = None, *, engine_options: dict | None = None) 
     why. `engine_options`: keyword arguments for surgeon.engine.LLM (kv_cache_tokens, quantize, ...)."""
     session = ChatSession(choose_model(model), engine_options)
 
-    async def respond(message, history, temperature, top_p, top_k, max_tokens):
+    async def respond(message, history, temperature, top_p, top_k, max_tokens, speculate=True):
         try:
             messages, images = engine_chat(message, history, session.is_vlm)
         except NotAnImage as exc:
             raise gr.Error(str(exc)) from None
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=int(top_k), max_tokens=int(max_tokens))
+        params = SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=int(top_k), max_tokens=int(max_tokens), speculate=speculate
+        )
         reply = ""
         try:
             async for piece in session.stream(messages, images, params):
@@ -76,6 +78,13 @@ def build_demo(model: str | None = None, *, engine_options: dict | None = None) 
                                 gr.Slider(0, 200, 0, step=1, label="top-k (0: off)", elem_id="top-k", render=False),
                                 gr.Slider(
                                     1, 1024, 256, step=1, label="max new tokens", elem_id="max-tokens", render=False
+                                ),
+                                gr.Checkbox(
+                                    session.speculative,
+                                    label=f"speculative decoding ({session.speculation_label}): same replies, faster",
+                                    interactive=session.speculative,
+                                    elem_id="speculate",
+                                    render=False,
                                 ),
                             ],
                             additional_inputs_accordion=gr.Accordion(

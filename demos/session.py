@@ -32,6 +32,7 @@ class ChatSession:
         with self._swap:
             old, self._engine = self._engine, engine
             self.choice, self.name, self.is_vlm = choice, llm.model_name, llm.is_vlm
+            self.speculation = llm.speculator.config if llm.speculator is not None else None
         if old is not None:
             old.stop()
 
@@ -44,6 +45,17 @@ class ChatSession:
                     yield out.text
         finally:
             handle.abort()  # the user pressed stop or left: free the request's KV blocks
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculation is not None
+
+    @property
+    def speculation_label(self) -> str:
+        if self.speculation is None:
+            return "off: no draft"
+        what = "n-gram lookup" if self.speculation.method == "ngram" else f"draft {self.speculation.draft}"
+        return f"{what}, k up to {self.speculation.k}"
 
     def close(self) -> None:
         if self._engine is not None:

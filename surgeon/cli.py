@@ -109,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile", action="store_true", help="torch.compile the decode step: faster decoding after a one-time compile"
     )
+    p.add_argument(
+        "--speculative",
+        metavar="ngram|PATH",
+        help="speculative decoding (outputs unchanged): 'ngram' (prompt lookup) or a draft model's path or alias",
+    )
+    p.add_argument("--speculative-k", type=int, default=4, help="most draft tokens per step (default 4)")
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser(
@@ -121,6 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="default 7860")
+    p.add_argument(
+        "--speculative",
+        metavar="ngram|PATH",
+        default="ngram",
+        help="the draft the sampling panel's speculative switch uses: 'ngram' (default) or a draft model's path",
+    )
+    p.add_argument("--speculative-k", type=int, default=4, help="most draft tokens per step (default 4)")
     p.set_defaults(handler=_chat)
 
     p = sub.add_parser(
@@ -242,13 +255,28 @@ def _serve(args) -> None:
         dtype=args.dtype,
         quantize=args.quantize,
         compile=args.compile,
+        speculative=_speculative(args.speculative, args.speculative_k),
     )
+
+
+def _speculative(value: str | None, k: int):
+    from .engine.speculative import SpeculativeConfig
+
+    if value is None:
+        return None
+    try:
+        return SpeculativeConfig.parse(
+            {"method": "ngram", "k": k} if value == "ngram" else {"method": "model", "draft": value, "k": k}
+        )
+    except ValueError as exc:
+        raise SurgeonError(f"--speculative: {exc}") from None
 
 
 def _chat(args) -> None:
     from .demos.chat import launch
 
-    launch(args.model, host=args.host, port=args.port)
+    speculative = _speculative(args.speculative, args.speculative_k)
+    launch(args.model, host=args.host, port=args.port, engine_options={"speculative": speculative})
 
 
 def _models(args) -> None:

@@ -27,8 +27,8 @@ def dense_attention(
         run = _pick(paged_attention, "paged_decode_attention", q)
         return run(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
     heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.view(-1, heads, dim)[batch.context_slots]
-    v = v_cache.view(-1, heads, dim)[batch.context_slots]
+    k = k_cache.view(-1, heads, dim).index_select(0, batch.context_slots)
+    v = v_cache.view(-1, heads, dim).index_select(0, batch.context_slots)
     run = _pick(prefill_attention, "prefill_attention", q)
     return run(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, scale, batch.spans)
 

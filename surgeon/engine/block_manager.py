@@ -88,6 +88,15 @@ class BlockManager:
         while len(seq.block_table) < self.blocks_needed(len(seq)):
             seq.block_table.append(self._fresh().id)
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past what seq's tokens need (a speculative step's rejected tail). Those
+        blocks were fresh and never committed, so no prefix-cache entry points into them."""
+        while len(seq.block_table) > self.blocks_needed(len(seq)):
+            block = self.blocks[seq.block_table.pop()]
+            block.refs -= 1
+            if block.refs == 0:
+                self.free[block.id] = None
+
     def commit(self, seq: Sequence) -> None:
         """Register the hashes of blocks that became full and computed in the last step."""
         if not self.prefix_caching:

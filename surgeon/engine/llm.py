@@ -23,6 +23,7 @@ from .sampler import sample
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import SpeculativeConfig, Speculator
 from .stopping import Stopper
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class StepOutput:
     finish_reason: str | None  # None while running; "stop", "length" or "loop" (degenerate repetition)
     prompt_tokens: int
     completion_tokens: int
+    speculation: dict | None = None  # on the last output when speculating: proposed, accepted, target steps
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
+    speculation: dict | None = None  # proposed / accepted draft tokens, target steps (speculative engines)
 
 
 def _text_only(message: dict) -> dict:
@@ -65,7 +68,10 @@ class LLM:
     to the full-precision model's). `compile=True`: decode steps through torch.compile (the first
     steps of each batch shape compile, ~30-60 s on 2 CPU cores). `kv_cache_tokens`: positions the
     paged cache holds over all sequences (default: 1 GiB worth on a CPU, 60% of free memory on a GPU).
-    `max_batched_tokens`: the prefill chunk budget per step."""
+    `max_batched_tokens`: the prefill chunk budget per step. `speculative`: decode speculatively
+    (the output distribution is unchanged; greedy output is the same tokens): "ngram", a draft
+    checkpoint's path, or a dict such as {"method": "model", "draft": PATH, "k": 4} (see
+    speculative.SpeculativeConfig)."""
 
     def __init__(
         self,
@@ -81,6 +87,7 @@ class LLM:
         quantize: str | None = None,
         compile: bool = False,
         trust_remote_code: bool = False,
+        speculative: dict | str | SpeculativeConfig | None = None,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
@@ -105,6 +112,7 @@ class LLM:
         self.runner = ModelRunner(self.model, self.vision, num_blocks, block_size, self.device, self.dtype, compile)
         self.stopper = Stopper(self.tokenizer, loaded.eos_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
+        self.speculator = self._speculator(SpeculativeConfig.parse(speculative), max_num_seqs, kv_cache_tokens)
         log.info(
             "engine: %s on %s (%s), KV cache %d tokens in blocks of %d",
             self.model_name,
@@ -123,6 +131,25 @@ class LLM:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or next(model.parameters()).dtype)
         loaded = from_memory(model, tokenizer, device, dtype)
         return cls(loaded, device=str(device), dtype=dtype, **engine_args)
+
+    def _speculator(self, config: SpeculativeConfig | None, max_num_seqs: int, cache_tokens: int):
+        from .drafts import ModelDraft, NgramDraft
+
+        if config is None:
+            return None
+        if config.method == "ngram":
+            draft = NgramDraft(config, {self.vision.image_token_id} if self.is_vlm else set())
+        else:
+            draft = ModelDraft(
+                config,
+                self,
+                device=str(self.device),
+                dtype=self.dtype,
+                max_num_seqs=max_num_seqs,
+                kv_cache_tokens=cache_tokens,
+                prefix_caching=False,
+            )
+        return Speculator(config, draft, self.runner, self.blocks, self.max_model_len, self.device)
 
     def _default_cache_tokens(self, per_token: int) -> int:
         if self.device.type == "cuda":
@@ -212,7 +239,12 @@ class LLM:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.finished:
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.draft.forget(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -223,28 +255,52 @@ class LLM:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
+        if self.speculator is not None and not scheduled.prefill:
+            seqs, gained = self.speculator.step(scheduled)
+            return [self._emit(seq, tokens) for seq, tokens in zip(seqs, gained)]
         logits = self.runner.run(scheduled)
         done = [seq for seq, chunk in zip(scheduled.seqs, scheduled.chunks) if seq.computed + chunk == len(seq)]
         for seq, chunk in zip(scheduled.seqs, scheduled.chunks):
             seq.computed += chunk
             self.blocks.commit(seq)
-        outputs = []
-        for seq, token in zip(done, sample(logits, done)):
+        return [self._emit(seq, [token]) for seq, token in zip(done, sample(logits, done))]
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+        """Append a step's tokens one by one, each checked for a stop; what follows a stop is dropped."""
+        texts, kept, reason = [], [], None
+        for token in tokens:
             seq.token_ids.append(token)
+            kept.append(token)
             text, reason = self.stopper.check(seq)
+            texts.append(text)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq.request_id, text, [token], reason, seq.prompt_len, len(seq.completion_ids)))
-        return outputs
+                break
+        seq.spec.target_steps += 1
+        if self.speculator is not None:
+            # Keys past a stop are not this sequence's; blocks past its tokens were a rejected tail.
+            seq.computed = min(seq.computed, len(seq) if reason is not None else len(seq) - 1)
+            self.blocks.commit(seq)
+            self.blocks.trim(seq)
+        speculation = None
+        if reason is not None:
+            speculation = seq.spec.summary() if self.speculator is not None else None
+            self._finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+        return StepOutput(
+            seq.request_id, "".join(texts), kept, reason, seq.prompt_len, len(seq.completion_ids), speculation
+        )
 
     def generate(
         self,
         prompts: list,
         params: SamplingParams | list[SamplingParams] | None = None,
         images: list[list] | None = None,
+        progress: str | None = None,
     ) -> list[Completion]:
-        """Run every prompt to completion (batched continuously); results in the prompts' order."""
+        """Run every prompt to completion (batched continuously); results in the prompts' order.
+        `progress`: a description for a progress bar over finished requests (none when None)."""
+        from tqdm.auto import tqdm
+
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         images = images or [None] * len(prompts)
         order = []
@@ -257,6 +313,7 @@ class LLM:
             raise
         results: dict[str, Completion] = {}
         gathered: dict[str, tuple[list[str], list[int]]] = {rid: ([], []) for rid in order}
+        bar = tqdm(total=len(order), desc=progress, unit="answer", disable=progress is None, leave=False)
         while self.has_unfinished():
             for out in self.step():
                 if out.request_id not in gathered:
@@ -266,8 +323,10 @@ class LLM:
                 tokens.extend(out.token_ids)
                 if out.finish_reason is not None:
                     results[out.request_id] = Completion(
-                        out.request_id, "".join(texts), tokens, out.finish_reason, out.prompt_tokens
+                        out.request_id, "".join(texts), tokens, out.finish_reason, out.prompt_tokens, out.speculation
                     )
+                    bar.update(1)
+        bar.close()
         return [results[rid] for rid in order]
 
     def stream(self, prompt, params: SamplingParams | None = None, images: list | None = None) -> Iterator[StepOutput]:

@@ -55,7 +55,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: Scheduled) -> torch.Tensor:
-        """Logits [R, vocab] fp32 for the sequences whose step reaches their last token, in order."""
+        """Logits [R, vocab] fp32 for the sequences whose step reaches their last token, in order
+        (for a verification: after every token of every chunk)."""
+        if step.verify:
+            return self._verify(step)
         ids, positions, slots, token_rows, logit_rows = [], [], [], [], []
         context_slots, cu_q, cu_k = [], [0], [0]
         for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks)):
@@ -72,27 +75,50 @@ class ModelRunner:
                 cu_k.append(cu_k[-1] + end)
         widest = max(len(seq.block_table) for seq in step.seqs)
         tables = [seq.block_table + [-1] * (widest - len(seq.block_table)) for seq in step.seqs]
-        device = self.device
-
-        def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        batch = StepBatch(
-            prefill=step.prefill,
-            positions=tensor(positions),
-            slots=tensor(slots),
-            block_tables=tensor(tables, torch.int32),
-            context_lens=tensor([seq.computed + chunk for seq, chunk in zip(step.seqs, step.chunks)], torch.int32),
-            token_rows=tensor(token_rows),
-            logit_rows=tensor(logit_rows),
-        )
+        context_lens = [seq.computed + chunk for seq, chunk in zip(step.seqs, step.chunks)]
+        batch = self._batch(step.prefill, positions, slots, tables, context_lens, token_rows, logit_rows)
         if step.prefill:
-            batch.cu_seqlens_q, batch.cu_seqlens_k = tensor(cu_q, torch.int32), tensor(cu_k, torch.int32)
-            batch.context_slots = tensor(context_slots)
-        elif device.type != "cuda":
-            batch.key_slots, batch.key_mask = key_slots(batch.block_tables, batch.context_lens, self.block_size)
+            batch.cu_seqlens_q, batch.cu_seqlens_k = self._tensor(cu_q, torch.int32), self._tensor(cu_k, torch.int32)
+            batch.context_slots = self._tensor(context_slots)
         forward = self.model if step.prefill else self.decode_forward
         return forward(self._embed(step, ids), batch)
+
+    def _verify(self, step: Scheduled) -> torch.Tensor:
+        """A speculative verification as a decode step in which every token of a chunk is a query
+        row of its own, seeing its sequence's keys up to its own position: the chunk's keys are
+        written before attention reads them, so the draft tokens see each other causally, through
+        the same attention code (and compiled graph) as plain decoding."""
+        ids, positions, slots, tables, context_lens = [], [], [], [], []
+        widest = max(len(seq.block_table) for seq in step.seqs)
+        for seq, chunk in zip(step.seqs, step.chunks):
+            start = seq.computed
+            table = seq.block_table + [-1] * (widest - len(seq.block_table))
+            for p in range(start, start + chunk):
+                ids.append(seq.token_ids[p])
+                positions.append(p)
+                slots.append(self._slot(seq, p))
+                tables.append(table)
+                context_lens.append(p + 1)
+        rows = list(range(len(ids)))
+        batch = self._batch(False, positions, slots, tables, context_lens, rows, rows)
+        return self.decode_forward(self._embed(step, ids), batch)
+
+    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _batch(self, prefill, positions, slots, tables, context_lens, token_rows, logit_rows) -> StepBatch:
+        batch = StepBatch(
+            prefill=prefill,
+            positions=self._tensor(positions),
+            slots=self._tensor(slots),
+            block_tables=self._tensor(tables, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            token_rows=self._tensor(token_rows),
+            logit_rows=self._tensor(logit_rows),
+        )
+        if not prefill and self.device.type != "cuda":
+            batch.key_slots, batch.key_mask = key_slots(batch.block_tables, batch.context_lens, self.block_size)
+        return batch
 
     def _embed(self, step: Scheduled, ids: list[int]) -> torch.Tensor:
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

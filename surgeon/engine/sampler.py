@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import SamplingParams
 from .sequence import Sequence
 
 
@@ -24,15 +25,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
     params = seq.params
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
-        seen = seen[seen < row.shape[0]]  # image placeholders lie past the vocabulary
-        values = row[seen]
-        row = row.clone()
-        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if params.greedy:
-        return int(row.argmax())
-    row = row / params.temperature
+        return int(penalised(row, params, seq.token_ids).argmax())
+    return draw(distribution(row, params, seq.token_ids), seq.generator)
+
+
+def penalised(row: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The row with the repetition penalty applied to every token in `history` (HF's rule)."""
+    if params.repetition_penalty == 1.0:
+        return row
+    seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=row.device)
+    seen = seen[seen < row.shape[0]]  # image placeholders lie past the vocabulary
+    values = row[seen]
+    row = row.clone()
+    row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    return row
+
+
+def distribution(row: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The probabilities a sampled request draws its next token from: penalty, temperature, top-k,
+    top-p. Speculative verification compares these, so both paths share this one function."""
+    row = penalised(row, params, history) / params.temperature
     if params.top_k and params.top_k < row.shape[0]:
         threshold = row.topk(params.top_k).values[-1]
         row = row.masked_fill(row < threshold, -torch.inf)
@@ -42,8 +55,13 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
         # Keep the smallest set whose mass reaches top_p (the token that crosses it included).
         drop = ordered.cumsum(-1) - ordered >= params.top_p
         probs = probs.scatter(0, order, ordered.masked_fill(drop, 0.0))
-    # Inverse CDF with one uniform draw: the same distribution as torch.multinomial, which spends
-    # ~1 ms per row drawing an exponential for every vocabulary entry.
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from (possibly unnormalised) probabilities. Inverse CDF with one uniform draw: the
+    same distribution as torch.multinomial, which spends ~1 ms per row drawing an exponential for
+    every vocabulary entry."""
     cdf = probs.cpu().cumsum(0)
-    u = torch.rand((), generator=seq.generator, dtype=cdf.dtype) * cdf[-1]
+    u = torch.rand((), generator=generator, dtype=cdf.dtype) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[0] - 1)

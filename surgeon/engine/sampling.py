@@ -14,7 +14,8 @@ class SamplingParams:
     (0 turns it off). `max_tokens=None`: until a stop or the end of the model's context.
     `refuse_overflow`: a max_tokens that cannot fit beside the prompt in the context is refused when
     the request is added (the server's rule, as OpenAI's and vLLM's); otherwise generation stops
-    at the context's end with finish_reason "length"."""
+    at the context's end with finish_reason "length". `speculate`: on an engine built with a
+    speculative draft, whether this request proposes drafts (its output is the same either way)."""
 
     max_tokens: int | None = 128
     temperature: float = 1.0
@@ -26,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     loop_window: int = 64
     refuse_overflow: bool = False
+    speculate: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -21,6 +21,7 @@ class Scheduled:
     prefill: bool
     seqs: list[Sequence]
     chunks: list[int]  # tokens each sequence runs this step
+    verify: bool = False  # logits after every token of the chunk, not only after the last (speculation)
 
 
 class Scheduler:

@@ -32,6 +32,39 @@ class ImageSpan:
         return self.start < end and begin < self.start + self.length
 
 
+@dataclass
+class Speculation:
+    """What speculative decoding did for one sequence: tokens proposed and kept, target forwards
+    that gave it tokens, and its recent per-token acceptance (the planner's estimate)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    target_steps: int = 0
+    rate: float = 0.6  # the prior before any evidence
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if proposed:
+            # Tokens after the first rejection were never tested: the evidence is `accepted`
+            # successes and at most one failure (a truncated geometric sample).
+            failures = 1 if accepted < proposed else 0
+            self.rate += 0.3 * (accepted / (accepted + failures) - self.rate)
+
+    def drift(self, prior: float = 0.6) -> None:
+        """A step without a proposal: the estimate slowly returns to the prior, so a sequence that
+        backed off tries again later (text that was unpredictable may stop being so)."""
+        self.rate += 0.05 * (prior - self.rate)
+
+    def summary(self) -> dict:
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
+            "target_steps": self.target_steps,
+        }
+
+
 _counter = itertools.count()
 
 
@@ -48,6 +81,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""  # output text handed out so far
     generator: torch.Generator | None = None
+    spec: Speculation = field(default_factory=Speculation)
     arrival: int = field(default_factory=lambda: next(_counter))
 
     def __post_init__(self):

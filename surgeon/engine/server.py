@@ -255,6 +255,8 @@ class Reply:
                 "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens,
             }
+            if out.speculation is not None:  # an extension field, as finish_reason's is
+                self.usage["surgeon"] = {"speculation": speculation_usage(out.speculation, out.completion_tokens)}
             yield out
 
     async def collect(self) -> dict:
@@ -317,6 +319,13 @@ class Reply:
             # Runs on normal end, on error and when the client disconnects (the task is cancelled).
             self.handle.abort()
         yield "data: [DONE]\n\n"
+
+
+def speculation_usage(stats: dict, completion_tokens: int) -> dict:
+    """What speculative decoding did for a request: draft tokens proposed and accepted, and the
+    completion tokens each target forward produced on average."""
+    steps = stats["target_steps"]
+    return {**stats, "tokens_per_target_step": round(completion_tokens / steps, 3) if steps else None}
 
 
 def sse(data: dict) -> str:

@@ -1,0 +1,343 @@
+"""Speculative decoding in the engine: greedy output token-identical with and without speculation
+for each draft kind and each model kind, the sampled distribution exactly the target's, and
+preemption, aborts and stops in the middle of speculative steps losing nothing."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import save_tiny_model, tiny_config
+from surgeon.engine import LLM, SamplingParams
+from surgeon.engine.speculative import Proposal, SpeculativeConfig, accept
+from surgeon.errors import SourceError
+from surgeon.modeling import SurgeonSparseLlamaConfig, SurgeonSparseLlamaForCausalLM
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0)
+SMALL = {"block_size": 4, "max_batched_tokens": 32, "max_num_seqs": 4}
+
+
+def twenty_prompts(vocab: int = 300) -> list[list[int]]:
+    """20 prompts of 6-90 tokens; half repeat a phrase of their own, as quoting text does, so the
+    n-gram draft has matches to propose and the verifier has drafts both to keep and to reject."""
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(20):
+        length = 6 + (i * 17) % 85
+        ids = torch.randint(3, vocab, (length,), generator=generator).tolist()
+        if i % 2:
+            ids = ids + ids[: length // 2] + ids[: length // 3]
+        out.append(ids)
+    return out
+
+
+def outputs(llm: LLM, batch, params=GREEDY):
+    done = llm.generate(batch, params)
+    return [d.token_ids for d in done], done
+
+
+def first_layers(target, folder, keep: int = 3):
+    """The target cut to its first `keep` layers: a draft such as surgery makes, right often
+    enough to be kept and wrong often enough to be rejected."""
+    import surgeon.modeling  # noqa: F401  (the sparse class)
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    model.model.layers = model.model.layers[:keep]
+    model.config.num_hidden_layers = keep
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(target).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def draft_llama(tmp_path_factory, tiny_llama):
+    return first_layers(tiny_llama, tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="module")
+def mqa_llama(tmp_path_factory, tokenizer_dir):
+    return save_tiny_model(tmp_path_factory.mktemp("mqa"), "llama", tokenizer_dir, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def sparse_llama(tmp_path_factory, tokenizer_dir):
+    torch.manual_seed(0)
+    sparse = {"top_k": 8, "sinks": 2, "window": 3, "index_heads": 2, "index_dim": 16, "rope_dim": 8, "layers": [1, 2]}
+    model = SurgeonSparseLlamaForCausalLM(
+        SurgeonSparseLlamaConfig(sparse_attention=sparse, **tiny_config("llama").to_dict())
+    )
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.08)
+    folder = tmp_path_factory.mktemp("sparse")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mqa", "dsa"])
+@pytest.mark.parametrize("method", ["ngram", "model"])
+def test_greedy_output_is_token_identical_with_and_without_speculation(
+    kind, method, tiny_llama, mqa_llama, sparse_llama, draft_llama, tmp_path
+):
+    target = {"gqa": tiny_llama, "mqa": mqa_llama, "dsa": sparse_llama}[kind]
+    if method == "ngram":
+        speculative = {"method": "ngram", "k": 4}
+    else:
+        draft = draft_llama if kind == "gqa" else first_layers(target, tmp_path / "draft")
+        # A tiny draft costs what the tiny target does (both are per-call overhead), so the
+        # planner would rightly stop proposing; exactness is tested at a fixed k.
+        speculative = {"method": "model", "draft": str(draft), "adaptive": False}
+    batch = twenty_prompts()
+    plain, _ = outputs(LLM(str(target), **SMALL), batch)
+    llm = LLM(str(target), speculative=speculative, **SMALL)
+    fast, done = outputs(llm, batch)
+    assert fast == plain
+    proposed = sum(d.speculation["proposed"] for d in done)
+    accepted = sum(d.speculation["accepted"] for d in done)
+    assert proposed > 0 and 0 < accepted < proposed  # drafts were both kept and rejected
+    steps = sum(d.speculation["target_steps"] for d in done)
+    assert steps < sum(len(t) for t in fast)  # fewer target forwards than tokens
+    # Every rejected tail's blocks came back; the draft's mirrors are gone with their requests.
+    assert llm.blocks.num_free == len(llm.blocks.blocks)
+    if method == "model":
+        draft = llm.speculator.draft
+        assert not draft.mirrors and draft.engine.blocks.num_free == len(draft.engine.blocks.blocks)
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_llama):
+    llm = LLM(
+        str(tiny_llama), speculative={"method": "model", "draft": str(tiny_llama), "k": 3, "adaptive": False}, **SMALL
+    )
+    fast, done = outputs(llm, twenty_prompts()[:6])
+    assert fast == outputs(LLM(str(tiny_llama), **SMALL), twenty_prompts()[:6])[0]
+    assert all(d.speculation["accepted"] == d.speculation["proposed"] > 0 for d in done)
+
+
+def test_greedy_speculation_equals_transformers_generate(tiny_llama):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    batch = twenty_prompts()[:8]
+    llm = LLM(str(tiny_llama), speculative="ngram", **SMALL)
+    expected = [
+        hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(ids) :].tolist()
+        for ids in batch
+    ]
+    assert outputs(llm, batch)[0] == expected
+
+
+def test_a_vlm_speculates_without_proposing_image_slots(tmp_path, tokenizer_dir):
+    from test_engine import _tiny_vlm_export
+
+    _tiny_vlm_export(tmp_path, tokenizer_dir)
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this? " * 3}]}]
+    images = [[Image.new("RGB", (40, 40), colour)] for colour in ((220, 30, 30), (20, 40, 230))]
+    plain = LLM(str(tmp_path), block_size=4)
+    fast = LLM(str(tmp_path), block_size=4, speculative="ngram")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0)
+    expected = [d.token_ids for d in plain.generate([chat, chat], params, images=images)]
+    done = fast.generate([chat, chat], params, images=images)
+    assert [d.token_ids for d in done] == expected
+    assert sum(d.speculation["proposed"] for d in done) > 0
+    assert all(fast.vision.image_token_id not in d.token_ids for d in done)
+
+
+def test_preemption_and_abort_in_the_middle_of_speculation_lose_nothing(tiny_llama, draft_llama):
+    batch = [ids[:30] for ids in twenty_prompts()[1::2][:4]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, loop_window=0)
+    expected, _ = outputs(LLM(str(tiny_llama), block_size=4, max_num_seqs=4), batch, params)
+    for speculative in ("ngram", {"method": "model", "draft": str(draft_llama), "adaptive": False}):
+        # 112 positions for four sequences growing to ~70: preemptions while speculating.
+        llm = LLM(str(tiny_llama), block_size=4, kv_cache_tokens=112, max_num_seqs=4, speculative=speculative)
+        assert outputs(llm, batch, params)[0] == expected
+        assert llm.scheduler.preemptions > 0
+        assert llm.blocks.num_free == len(llm.blocks.blocks)
+        # Abort one request after a few speculative steps: the others finish unchanged.
+        ids = [llm.add_request(p, params) for p in batch]
+        got = {rid: [] for rid in ids}
+        for _ in range(4):
+            for out in llm.step():
+                got[out.request_id].extend(out.token_ids)
+        llm.abort(ids[1])
+        while llm.has_unfinished():
+            for out in llm.step():
+                got[out.request_id].extend(out.token_ids)
+        assert [got[rid] for rid in ids[::2]] == expected[::2] and got[ids[3]] == expected[3]
+        assert expected[1][: len(got[ids[1]])] == got[ids[1]]
+        assert llm.blocks.num_free == len(llm.blocks.blocks)
+        if llm.speculator.draft.costs_rounds:
+            assert not llm.speculator.draft.mirrors
+
+
+def test_stop_strings_and_max_tokens_inside_an_accepted_run(tiny_llama):
+    batch = twenty_prompts()[1::2][:6]
+    for max_tokens in (1, 2, 7):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, loop_window=0)
+        plain, _ = outputs(LLM(str(tiny_llama), **SMALL), batch, params)
+        fast, _ = outputs(LLM(str(tiny_llama), speculative="ngram", **SMALL), batch, params)
+        assert fast == plain and all(len(t) == max_tokens for t in fast)
+    plain_llm = LLM(str(tiny_llama), **SMALL)
+    text = plain_llm.generate(batch[:1], GREEDY)[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop.strip():
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0, stop=(stop,))
+        expected = plain_llm.generate(batch[:1], params)[0]
+        got = LLM(str(tiny_llama), speculative="ngram", **SMALL).generate(batch[:1], params)[0]
+        assert (
+            (got.text, got.finish_reason)
+            == (expected.text, expected.finish_reason)
+            == (text[: text.find(stop)], "stop")
+        )
+
+
+def _exact_joint(model, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
+    """P(first `length` tokens) under the engine's sampling rule, by enumeration (top_k keeps it small)."""
+    from surgeon.engine.sampler import distribution
+
+    joint = {}
+    frontier = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, mass in frontier.items():
+            ids = torch.tensor([prompt + list(prefix)])
+            with torch.no_grad():
+                logits = model(ids).logits[0, -1].float()
+            probs = distribution(logits, params, prompt + list(prefix))
+            for token in probs.nonzero().flatten().tolist():
+                grown[(*prefix, token)] = mass * float(probs[token])
+        frontier = grown
+    joint.update(frontier)
+    return joint
+
+
+def _tv(counts: dict, exact: dict, n: int) -> float:
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+
+
+@pytest.mark.parametrize("method", ["ngram", "model"])
+def test_sampled_output_has_exactly_the_targets_distribution(method, tiny_llama, draft_llama):
+    """3,000 samples of the first three tokens (top-k 3, T 1.3, a repetition penalty): the total
+    variation distance to the exact distribution stays at sampling noise, while the draft's own
+    distribution is far from it (so accepting drafts blindly would fail)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    # Every token occurs in the prompt, so whatever is sampled the n-gram draft finds a continuation.
+    prompt = twenty_prompts()[3][:20] + list(range(3, 320))
+    make = lambda seed: SamplingParams(
+        temperature=1.3, top_k=3, repetition_penalty=1.2, max_tokens=3, ignore_eos=True, loop_window=0, seed=seed
+    )
+    exact = _exact_joint(model, prompt, make(0), 3)
+    speculative = {"method": "ngram", "adaptive": False}
+    if method == "model":
+        speculative = {"method": "model", "draft": str(draft_llama), "k": 2, "adaptive": False}
+    llm = LLM(str(tiny_llama), max_num_seqs=64, speculative=speculative)
+    n = 3000
+    done = llm.generate([prompt] * n, [make(seed) for seed in range(n)])
+    counts = {}
+    for d in done:
+        counts[tuple(d.token_ids)] = counts.get(tuple(d.token_ids), 0) + 1
+    # At least the second token of each is drafted (more where the prefix cache leaves only the
+    # prompt's last token, which a speculative step then runs with drafts after it).
+    assert sum(d.speculation["proposed"] for d in done) >= n
+    if method == "model":  # (the n-gram's proposals here are rarely in the top 3: its rejections are tested)
+        assert sum(d.speculation["accepted"] for d in done) > 0
+    assert _tv(counts, exact, n) < 0.05  # ~0.03 from noise over 27 outcomes at n = 3000
+    if method == "model":
+        drafted = _exact_joint(AutoModelForCausalLM.from_pretrained(draft_llama).eval(), prompt, make(0), 3)
+        assert 0.5 * sum(abs(drafted.get(k, 0) - exact.get(k, 0)) for k in set(drafted) | set(exact)) > 0.2
+
+
+def test_the_rejection_rule_on_one_position():
+    """accept() against the closed form: P(token) = q(t) min(1, p/q) + P(reject) residual(t), for a
+    draft with a distribution and for a point-mass (n-gram) draft alike: either way the first token
+    is distributed as p."""
+    from surgeon.engine.sequence import Sequence
+
+    p_logits = torch.tensor([[1.0, 0.2, -0.5, 0.0], [0.3, 0.1, 0.0, -1.0]])
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1]])
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=3)
+    p = p_logits[0].softmax(-1)
+    draws = 20000
+    generator = torch.Generator().manual_seed(5)
+    for point_mass in (False, True):
+        counts = torch.zeros(4)
+        for i in range(draws):
+            drafted = i % 4 if point_mass else int(torch.multinomial(q[0], 1, generator=generator))
+            seq = Sequence([1, 2, 3], params)
+            seq.generator = generator
+            first = accept(p_logits, seq, Proposal([drafted], None if point_mass else q))[0]
+            counts[first] += 1
+        assert 0.5 * (counts / draws - p).abs().sum() < 0.015
+
+
+def test_adaptive_k_backs_off_where_drafts_are_wrong(tiny_llama):
+    """Prompts with nothing to look up: after a few failed proposals the planner proposes less."""
+    llm = LLM(str(tiny_llama), speculative={"method": "ngram", "k": 8}, **SMALL)
+    batch = [list(range(3 + i, 60 + i)) for i in range(4)]  # no repeated n-gram in the prompt
+    done = llm.generate(batch, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, loop_window=0))
+    for d in done:
+        info = d.speculation
+        assert info["target_steps"] >= len(d.token_ids) // 2
+        if info["proposed"]:
+            assert info["proposed"] < 8 * info["target_steps"]
+
+
+def test_bad_speculative_settings_say_what_is_wrong(tiny_llama, tmp_path, tokenizer_dir):
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig.parse({"method": "medusa"})
+    with pytest.raises(ValueError, match="needs `draft`"):
+        SpeculativeConfig.parse({"method": "model"})
+    with pytest.raises(ValueError, match="k must be"):
+        SpeculativeConfig.parse({"k": 0})
+    with pytest.raises(ValueError, match="unknown speculative settings: tokens"):
+        SpeculativeConfig.parse({"tokens": 3})
+    # A draft whose tokenizer differs from the target's is refused, naming a difference.
+    other = tmp_path / "other"
+    save_tiny_model(other, "llama", tokenizer_dir, layers=2)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
+    with pytest.raises(SourceError, match="tokenizer differs"):
+        LLM(str(tiny_llama), speculative=str(other))
+
+
+def test_k_positions_are_planned_in_order_and_within_room():
+    from surgeon.engine.sequence import Sequence
+    from surgeon.engine.speculative import Planner
+
+    planner = Planner(SpeculativeConfig(k=5), draft_costs_rounds=False)
+    seqs = [Sequence([1, 2, 3], GREEDY) for _ in range(3)]
+    for seq, rate in zip(seqs, (0.95, 0.5, 0.05)):
+        seq.spec.rate = rate
+    assert planner.plan(seqs, [9, 9, 9]) == [5, 5, 5]  # nothing measured yet: full k
+    for tokens, seconds in itertools.product((3, 8, 15), (0.0,)):
+        planner.costs.observe(tokens, 0.030 + 0.002 * tokens + seconds)
+    ks = planner.plan(seqs, [9, 2, 9])
+    assert ks[0] == 5 and ks[1] <= 2 and ks[2] == 0 and ks[0] >= ks[1] >= ks[2]
+
+
+def test_the_server_reports_speculation_in_usage_and_answers_as_without_it(tiny_llama):
+    from test_server import client, running_server
+
+    prompt = twenty_prompts()[5]
+    plain = LLM(str(tiny_llama)).generate([prompt], GREEDY)[0]
+    with running_server(LLM(str(tiny_llama), speculative="ngram")) as (url, _):
+        reply = client(url).completions.create(
+            model="llama", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert reply.choices[0].text == plain.text
+    usage = reply.usage.model_extra["surgeon"]["speculation"]
+    assert usage["proposed"] >= usage["accepted"] > 0 and usage["tokens_per_target_step"] > 1.0
+
+
+def test_a_request_may_decline_speculation(tiny_llama):
+    llm = LLM(str(tiny_llama), speculative="ngram", **SMALL)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_window=0, speculate=False)
+    done = llm.generate(twenty_prompts()[1::2][:3], params)
+    assert all(d.speculation["proposed"] == 0 for d in done)
+    assert [d.token_ids for d in done] == outputs(llm, twenty_prompts()[1::2][:3])[0]
