@@ -134,7 +134,7 @@ def _generate(model, tokenizer, chats, follow, settings: AnswerSettings):
         kv_cache_tokens=max(4096, min(wanted, (4 << 30) // per_token)),
     )
 
-    def run(conversations: list[list[dict]], salt: int):
+    def run(conversations: list[list[dict]], salt: int, desc: str):
         params = [
             SamplingParams(
                 max_tokens=settings.max_new_tokens,
@@ -145,16 +145,16 @@ def _generate(model, tokenizer, chats, follow, settings: AnswerSettings):
             )
             for i in range(len(conversations))
         ]
-        return llm.generate(conversations, params)
+        return llm.generate(conversations, params, progress=desc)
 
-    first = run(chats, 0)
+    first = run(chats, 0, "answers")
     out = [[*chat, {"role": "assistant", "content": done.text.strip()}] for chat, done in zip(chats, first)]
     ids = [list(done.token_ids) for done in first]
     tokens = sum(len(done.token_ids) for done in first)
     asked = [i for i, question in enumerate(follow) if question]
     if asked:
         second_turn = [[*out[i], {"role": "user", "content": follow[i]}] for i in asked]
-        second = run(second_turn, 1)
+        second = run(second_turn, 1, "follow-up answers")
         for i, chat, done in zip(asked, second_turn, second):
             out[i] = [*chat, {"role": "assistant", "content": done.text.strip()}]
             ids[i] = list(done.token_ids)
