@@ -29,18 +29,32 @@ def key_slots(
 
 
 def decode_attention_by_slots(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    query_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference's arithmetic from precomputed `key_slots` (the CPU engine builds them once per
-    step, not once per layer): one fused call, [B, H, 1, D] queries over [B, kv_heads, S, D] keys."""
+    step, not once per layer): one fused call, [B, H, C, D] queries over [B, kv_heads, S, D] keys.
+    C is 1 for decoding; for a speculative verification `query_rows` places each of the T tokens in
+    a [B * C] grid (its sequence, its row) and `mask` [B, 1, C, S] says which keys each row sees."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     flat = slots.flatten()
     # index_select over a flat index, not advanced indexing with the [B, S] one: the same rows, copied
     # 1.5x (fp32) to 3.7x (bf16) faster on a CPU, where this gather is most of a batched decode step.
     k = k_cache.view(-1, kv_heads, dim).index_select(0, flat).view(*slots.shape, kv_heads, dim).transpose(1, 2)
     v = v_cache.view(-1, kv_heads, dim).index_select(0, flat).view(*slots.shape, kv_heads, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[:, :, 0]
+    if query_rows is None:
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[:, :, 0]
+    batch, rows = slots.shape[0], mask.shape[2]
+    grid = q.new_zeros(batch * rows, *q.shape[1:]).index_copy_(0, query_rows, q)
+    grid = grid.view(batch, rows, *q.shape[1:]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(grid, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch * rows, *q.shape[1:]).index_select(0, query_rows)
 
 
 def paged_decode_attention_reference(

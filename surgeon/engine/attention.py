@@ -22,7 +22,9 @@ def dense_attention(
     """q [T, H, D] -> [T, H, D]; this step's keys/values are already in the cache."""
     if not batch.prefill and batch.key_slots is not None:
         # Off CUDA: the reference's arithmetic, its gather indices built once per step.
-        return paged_attention.decode_attention_by_slots(q, k_cache, v_cache, batch.key_slots, batch.key_mask, scale)
+        return paged_attention.decode_attention_by_slots(
+            q, k_cache, v_cache, batch.key_slots, batch.key_mask, scale, batch.query_rows
+        )
     if not batch.prefill:
         run = _pick(paged_attention, "paged_decode_attention", q)
         return run(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)

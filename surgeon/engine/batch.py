@@ -24,4 +24,7 @@ class StepBatch:
     spans: torch.Tensor | None = None  # [Tk] int32 image ids for bidirectional image attention
     # Decode off CUDA: every sequence's key slots, padded, and which are real (one gather per layer).
     key_slots: torch.Tensor | None = None  # [B, S] long
-    key_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool
+    key_mask: torch.Tensor | None = None  # [B, 1, C, S] bool; C = 1 but in a verification
+    # A verification off CUDA: each token's place in a [B * C] grid of its sequence's C query rows, so
+    # a sequence's keys are gathered once for all its draft tokens.
+    query_rows: torch.Tensor | None = None  # [T] long

@@ -87,20 +87,33 @@ class ModelRunner:
         """A speculative verification as a decode step in which every token of a chunk is a query
         row of its own, seeing its sequence's keys up to its own position: the chunk's keys are
         written before attention reads them, so the draft tokens see each other causally, through
-        the same attention code (and compiled graph) as plain decoding."""
-        ids, positions, slots, tables, context_lens = [], [], [], [], []
-        widest = max(len(seq.block_table) for seq in step.seqs)
-        for seq, chunk in zip(step.seqs, step.chunks):
-            start = seq.computed
-            table = seq.block_table + [-1] * (widest - len(seq.block_table))
-            for p in range(start, start + chunk):
+        the same attention code (and compiled graph) as plain decoding. On CUDA each row is a row
+        of the paged kernels; elsewhere a sequence's keys are gathered once for all its rows."""
+        ids, positions, slots, rows_of = [], [], [], []
+        for index, (seq, chunk) in enumerate(zip(step.seqs, step.chunks)):
+            for p in range(seq.computed, seq.computed + chunk):
                 ids.append(seq.token_ids[p])
                 positions.append(p)
                 slots.append(self._slot(seq, p))
-                tables.append(table)
-                context_lens.append(p + 1)
-        rows = list(range(len(ids)))
-        batch = self._batch(False, positions, slots, tables, context_lens, rows, rows)
+                rows_of.append(index)
+        widest = max(len(seq.block_table) for seq in step.seqs)
+        tables = [seq.block_table + [-1] * (widest - len(seq.block_table)) for seq in step.seqs]
+        every = list(range(len(ids)))
+        if self.device.type == "cuda":
+            per_token = [tables[i] for i in rows_of]
+            batch = self._batch(False, positions, slots, per_token, [p + 1 for p in positions], every, every)
+            return self.decode_forward(self._embed(step, ids), batch)
+        ends = [seq.computed + chunk for seq, chunk in zip(step.seqs, step.chunks)]
+        batch = self._batch(False, positions, slots, tables, ends, rows_of, every)
+        widest_chunk = max(step.chunks)
+        grid, limits = [], []
+        for index, (seq, chunk) in enumerate(zip(step.seqs, step.chunks)):
+            grid.extend(index * widest_chunk + j for j in range(chunk))
+            # Row j sees keys up to its own position; rows past the chunk see one key (never read).
+            limits.append([seq.computed + j + 1 if j < chunk else 1 for j in range(widest_chunk)])
+        keys = torch.arange(batch.key_slots.shape[1], device=self.device)
+        batch.key_mask = (keys[None, None, :] < self._tensor(limits)[:, :, None])[:, None]
+        batch.query_rows = self._tensor(grid)
         return self.decode_forward(self._embed(step, ids), batch)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
