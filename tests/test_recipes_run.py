@@ -37,6 +37,7 @@ CAPS = {
     "max_new_tokens": 32,
     "max_tokens": 16,
     "count": 8,
+    "vocabulary": 64,
     "limit": 3,
     "window": 64,
     "every": 1,

@@ -341,3 +341,33 @@ def test_a_request_may_decline_speculation(tiny_llama):
     done = llm.generate(twenty_prompts()[1::2][:3], params)
     assert all(d.speculation["proposed"] == 0 for d in done)
     assert [d.token_ids for d in done] == outputs(llm, twenty_prompts()[1::2][:3])[0]
+
+
+def test_a_reduced_vocabulary_draft_proposes_only_its_tokens_and_changes_nothing(tiny_llama, tmp_path):
+    """A draft whose config names a reduced output vocabulary (what the draft_vocabulary step
+    writes): the engine scores only those rows; proposals stay inside them; output is unchanged."""
+    import json
+
+    draft = first_layers(tiny_llama, tmp_path / "draft", keep=5)
+    kept = list(range(2, 160))  # EOS (2) and half the vocabulary
+    config = json.loads((draft / "config.json").read_text())
+    config["surgeon_draft"] = {"draft_for": "tiny llama", "token_ids": kept}
+    (draft / "config.json").write_text(json.dumps(config))
+    spec = {"method": "model", "draft": str(draft), "k": 3, "adaptive": False}
+    llm = LLM(str(tiny_llama), speculative=spec, **SMALL)
+    assert llm.speculator.draft.engine.model.lm_head.weight.shape[0] == len(kept)
+    proposed = []
+    original = llm.speculator.draft.propose
+
+    def spy(seqs, ks):
+        out = original(seqs, ks)
+        proposed.extend(t for p in out for t in p.tokens)
+        return out
+
+    llm.speculator.draft.propose = spy
+    batch = twenty_prompts()[:8]
+    assert outputs(llm, batch)[0] == outputs(LLM(str(tiny_llama), **SMALL), batch)[0]
+    assert proposed and set(proposed) <= set(kept)
+    # Sampling too: the draft's distribution is zero outside its tokens, and the rule stays exact.
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, loop_window=0, seed=3)
+    assert all(len(d.token_ids) == 12 for d in llm.generate(batch, params))

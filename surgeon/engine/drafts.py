@@ -22,7 +22,7 @@ from .sampler import distribution, draw, penalised
 from .sampling import SamplingParams
 from .scheduler import Scheduled
 from .sequence import Sequence, Status
-from .speculative import Proposal, SpeculativeConfig
+from .speculative import Proposal, SpeculativeConfig, Timer
 
 
 class NgramDraft:
@@ -79,6 +79,7 @@ class ModelDraft:
         _check_tokenizers(target.tokenizer, self.engine.tokenizer, self.token_map, config.draft)
         self.filler = self.engine.tokenizer.eos_token_id or 0  # stands in for ids the draft cannot read
         self.mirrors: dict[str, Sequence] = {}
+        self.round_seconds: list[float] = []  # the last propose's decode-like rounds, for the planner
 
     def forget(self, seq: Sequence) -> None:
         mirror = self.mirrors.pop(seq.request_id, None)
@@ -93,11 +94,15 @@ class ModelDraft:
                 work.append((i, seq, mirror, k))
         rounds = max((k for *_, k in work), default=0)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in work}
+        self.round_seconds = []
         for r in range(rounds):
             active = [(i, seq, mirror) for i, seq, mirror, k in work if k > r]
             chunks = [mirror.pending for _, _, mirror in active]
             step = Scheduled(prefill=any(c > 1 for c in chunks), seqs=[m for *_, m in active], chunks=chunks)
-            logits = self.engine.runner.run(step)
+            with Timer(self.engine.device) as timer:
+                logits = self.engine.runner.run(step)
+            if max(chunks) <= 2:  # what a round costs once caught up (a first prefill is paid once)
+                self.round_seconds.append(timer.seconds)
             for (i, seq, mirror), chunk, row in zip(active, chunks, logits, strict=True):
                 mirror.computed += chunk
                 token, q = self._pick(row, seq, proposals[i].tokens)

@@ -237,10 +237,10 @@ class Speculator:
 
         seqs = scheduled.seqs
         ks = self.planner.plan(seqs, [self._room(seq) for seq in seqs])
-        with Timer(self.device) as drafting:
-            proposals = self.draft.propose(seqs, ks) if any(ks) else [Proposal() for _ in seqs]
+        proposals = self.draft.propose(seqs, ks) if any(ks) else [Proposal() for _ in seqs]
         if self.draft.costs_rounds:
-            self.planner.costs.observe_draft(max(ks, default=0), drafting.seconds)
+            for seconds in self.draft.round_seconds:  # decode-like rounds only: a catch-up prefill is paid once
+                self.planner.costs.observe_draft(1, seconds)
         chunks = []
         for i, seq in enumerate(seqs):
             proposals[i] = self._fit(seq, proposals[i])  # before extending: room and blocks as they are now

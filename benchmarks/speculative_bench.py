@@ -1,0 +1,208 @@
+"""Speculative decoding against transformers `generate` (plain and with its prompt lookup) and
+against the engine without speculation, in one process, fp32, batch 1 (and 16 at once).
+
+    python benchmarks/speculative_bench.py                         # both workloads, all drafts
+    python benchmarks/speculative_bench.py --draft out/smollm2-draft --prompts 8
+
+Workloads (128 new tokens each, greedy, the chat template):
+  grounded  summarise / rewrite / quote from a ~400-token passage of held-out Austen (Persuasion)
+  chat      open prompts from recipes/prompts/chat-eval.txt
+Rows: transformers generate; transformers prompt lookup (`prompt_lookup_num_tokens=4`); the engine
+plain and compiled; with the n-gram draft; with the draft model (`--draft`, made by
+recipes/smollm2-draft.yaml). Every speculative row's tokens are checked against the engine's plain
+output (greedy: they must be identical) and the share of identical outputs is printed. Timings
+interleave the rows prompt by prompt, so a drifting machine moves all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PERSUASION = ROOT.parent / "shared" / "data" / "text" / "austen" / "persuasion.txt"
+CHAT_PROMPTS = ROOT / "recipes" / "prompts" / "chat-eval.txt"
+ASKS = (
+    "Summarise this passage in a few sentences.",
+    "Rewrite this passage in plain modern English, keeping every event.",
+    "Quote the two sentences of this passage that say the most about the characters, then explain why.",
+    "List the people in this passage and what each says or does, quoting them.",
+)
+
+
+def grounded_prompts(tokenizer, count: int) -> list[list[dict]]:
+    """Passages of ~400 tokens from Persuasion (held out from every heal), each with an ask."""
+    text = PERSUASION.read_text(encoding="utf-8")
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if len(p.split()) > 30]
+    prompts, current = [], []
+    for paragraph in paragraphs[40:]:
+        current.append(paragraph)
+        if len(tokenizer("\n\n".join(current))["input_ids"]) >= 400:
+            ask = ASKS[len(prompts) % len(ASKS)]
+            prompts.append([{"role": "user", "content": f"{ask}\n\n" + "\n\n".join(current)}])
+            current = []
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def chat_prompts(count: int) -> list[list[dict]]:
+    lines = [line.strip() for line in CHAT_PROMPTS.read_text().splitlines() if line.strip() and line[0] != "#"]
+    return [[{"role": "user", "content": line}] for line in lines[:count]]
+
+
+def hf_generate(model, ids: list[int], new: int, lookup: int | None = None) -> list[int]:
+    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def greedy(new: int, speculate: bool = True):
+    from surgeon.engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, loop_window=0, speculate=speculate)
+
+
+def run_rows(rows: dict, prompts: list[list[int]], new: int) -> dict:
+    """Each row on each prompt in turn; per row: seconds, tokens, and outputs."""
+    results = {name: {"seconds": [], "outputs": [], "stats": []} for name in rows}
+    for ids in prompts:
+        for name, fn in rows.items():
+            start = time.perf_counter()
+            tokens, stats = fn(ids, new)
+            results[name]["seconds"].append(time.perf_counter() - start)
+            results[name]["outputs"].append(tokens)
+            results[name]["stats"].append(stats)
+    return results
+
+
+def engine_row(llm, speculate: bool = True):
+    def run(ids, new):
+        done = llm.generate([ids], greedy(new, speculate))[0]
+        return done.token_ids, done.speculation
+
+    return run
+
+
+def report(title: str, results: dict, new: int, reference: str, baseline: str) -> None:
+    print(f"\n{title} (batch 1, {new} new tokens, {len(results[baseline]['seconds'])} prompts; tokens/s incl. prefill)")
+    base_rate = results_rate(results, baseline, new)
+    want = results[reference]["outputs"]
+    for name, got in results.items():
+        rate = results_rate(results, name, new)
+        same = sum(a == b for a, b in zip(got["outputs"], want))
+        stats = [s for s in got["stats"] if s]
+        extra = ""
+        if stats:
+            proposed = sum(s["proposed"] for s in stats)
+            accepted = sum(s["accepted"] for s in stats)
+            steps = sum(s["target_steps"] for s in stats)
+            extra = (
+                f"   acceptance {accepted / max(proposed, 1):.2f}, "
+                f"{new * len(stats) / max(steps, 1):.2f} tokens per target step"
+            )
+        print(f"  {name:<34} {rate:7.1f} tokens/s  {rate / base_rate:5.2f}x  identical {same}/{len(want)}{extra}")
+
+
+def results_rate(results: dict, name: str, new: int) -> float:
+    got = results[name]
+    return new * len(got["seconds"]) / sum(got["seconds"])
+
+
+def concurrent(llm, prompts: list[list[int]], new: int, repeats: int) -> tuple[float, float]:
+    """Total tokens/s of 16 requests at once, without and with speculation (interleaved)."""
+    plain, fast = [], []
+    llm.generate(prompts[:2], greedy(8))
+    for _ in range(repeats):
+        for speculate, into in ((False, plain), (True, fast)):
+            start = time.perf_counter()
+            llm.generate(prompts, greedy(new, speculate))
+            into.append(len(prompts) * new / (time.perf_counter() - start))
+    return statistics.median(plain), statistics.median(fast)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default=str(ROOT / "out" / "smollm2-draft"))
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--concurrent", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from surgeon.chat import chat_ids
+    from surgeon.checkpoints.sources import resolve_source
+    from surgeon.engine import LLM
+
+    folder = resolve_source(args.model, Path.cwd()).folder()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # fixed lengths on every side
+    common = {"max_num_seqs": args.concurrent, "kv_cache_tokens": 32768}
+    engines = {
+        "engine": LLM(args.model, **common),
+        "engine compiled": LLM(args.model, compile=True, **common),
+        "engine + ngram": LLM(args.model, speculative={"method": "ngram", "k": args.k}, **common),
+        "engine compiled + ngram": LLM(
+            args.model, compile=True, speculative={"method": "ngram", "k": args.k}, **common
+        ),
+    }
+    draft = Path(args.draft)
+    if (draft / "config.json").is_file():
+        spec = {"method": "model", "draft": str(draft), "k": args.k}
+        engines["engine + draft"] = LLM(args.model, speculative=spec, **common)
+        engines["engine compiled + draft"] = LLM(args.model, compile=True, speculative=spec, **common)
+    else:
+        print(f"no draft at {draft}: run recipes/smollm2-draft.yaml (or pass --draft) for the draft rows")
+    tokenizer = engines["engine"].tokenizer
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32, k up to {args.k}, adaptive")
+
+    workloads = {
+        "grounded: summarise / rewrite / quote a ~400-token Persuasion passage": grounded_prompts(
+            tokenizer, args.prompts
+        ),
+        "chat: open prompts (chat-eval.txt)": chat_prompts(args.prompts),
+    }
+    warm = [chat_ids(tokenizer, workloads[next(iter(workloads))][0], generation_prompt=True)]
+    for engine in engines.values():  # warm-up, torch.compile's one-time compile included
+        engine.generate(warm * 2, greedy(24))
+        engine.generate(warm, greedy(24))
+    hf_generate(hf, warm[0], 8)
+    for title, chats in workloads.items():
+        prompts = [chat_ids(tokenizer, chat, generation_prompt=True) for chat in chats]
+        rows = {
+            "transformers generate": lambda ids, new: (hf_generate(hf, ids, new), None),
+            f"transformers prompt lookup (k={args.k})": lambda ids, new: (hf_generate(hf, ids, new, args.k), None),
+            **{name: engine_row(engine) for name, engine in engines.items()},
+        }
+        results = run_rows(rows, prompts, args.new)
+        report(title, results, args.new, reference="engine", baseline="transformers generate")
+        for name in ("engine + ngram", "engine + draft"):
+            if name in engines:
+                plain, fast = concurrent(engines[name], (prompts * 16)[: args.concurrent], args.new, args.repeats)
+                print(
+                    f"  {args.concurrent} at once, {name.removeprefix('engine + ')}: {plain:.1f} tokens/s without, "
+                    f"{fast:.1f} with speculation ({fast / plain - 1:+.1%})"
+                )
+
+
+if __name__ == "__main__":
+    main()
