@@ -49,7 +49,9 @@ def hf_model(path: str):
     return model
 
 
-def hf_generate(model, ids: list[int], new: int) -> list[int]:
+def hf_generate(model, ids: list[int], new: int, lookup: int | None = None) -> list[int]:
+    """Greedy, exactly `new` tokens; `lookup` switches on transformers' prompt lookup with that many tokens."""
+    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([ids]),
@@ -58,6 +60,7 @@ def hf_generate(model, ids: list[int], new: int) -> list[int]:
             min_new_tokens=new,
             do_sample=False,
             pad_token_id=0,
+            **kwargs,
         )
     return out[0, len(ids) :].tolist()
 

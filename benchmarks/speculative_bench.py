@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from engine_bench import hf_generate, hf_model  # this folder is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 PERSUASION = ROOT.parent / "shared" / "data" / "text" / "austen" / "persuasion.txt"
@@ -53,21 +54,6 @@ def grounded_prompts(tokenizer, count: int) -> list[list[dict]]:
 def chat_prompts(count: int) -> list[list[dict]]:
     lines = [line.strip() for line in CHAT_PROMPTS.read_text().splitlines() if line.strip() and line[0] != "#"]
     return [[{"role": "user", "content": line}] for line in lines[:count]]
-
-
-def hf_generate(model, ids: list[int], new: int, lookup: int | None = None) -> list[int]:
-    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-            **kwargs,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def greedy(new: int, speculate: bool = True):
@@ -147,15 +133,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM
-
     from surgeon.chat import chat_ids
-    from surgeon.checkpoints.sources import resolve_source
     from surgeon.engine import LLM
 
-    folder = resolve_source(args.model, Path.cwd()).folder()
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # fixed lengths on every side
+    hf = hf_model(args.model)
     common = {"max_num_seqs": args.concurrent, "kv_cache_tokens": 32768}
     engines = {
         "engine": LLM(args.model, **common),
