@@ -88,6 +88,8 @@ def section_decode(args, state) -> None:
         "engine fp32 compiled": LLM(args.dense, compile=True),
         "engine int8": LLM(args.dense, quantize="int8"),
         "engine int8 compiled": LLM(args.dense, quantize="int8", compile=True),
+        "engine int4": LLM(args.dense, quantize="int4"),
+        "engine int4 compiled": LLM(args.dense, quantize="int4", compile=True),
     }
     runs = {"transformers": [], **{name: [] for name in engines}}
     hf_generate(hf, ids, 8)  # warm-up

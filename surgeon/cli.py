@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler=_ifeval)
 
+    p = sub.add_parser("export-gguf", help="write a model as a GGUF file for llama.cpp / Ollama")
+    p.add_argument("source", help="export folder, Hugging Face folder or alias")
+    p.add_argument("--type", default="q8_0", choices=["f16", "bf16", "q8_0", "q4_0", "q4_1"], help="(default q8_0)")
+    p.add_argument("--out", help="the .gguf file (default: SOURCE-NAME.TYPE.gguf in the current folder)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(handler=_export_gguf)
+
     p = sub.add_parser("push", help="upload an export to the Hugging Face Hub")
     p.add_argument("folder")
     p.add_argument("--repo-id", required=True)
@@ -103,8 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantize",
-        choices=["int8"],
-        help="int8 weights on a CPU: faster decoding, outputs close to (not identical with) full precision",
+        choices=["int8", "int4", "none"],
+        help="int8 / int4 weights on a CPU: faster decoding, outputs close to (not identical with) full precision; "
+        "a quantize step's export runs on its own integers by default (none: in float)",
     )
     p.add_argument(
         "--compile", action="store_true", help="torch.compile the decode step: faster decoding after a one-time compile"
@@ -232,6 +240,20 @@ def _analyze(args) -> None:
         print(f"    {reason}")
     recipe = report.recipe or "none (see the reasons above)"
     print(f"report: {report.html}\nrecipe: {recipe}\nin {report.seconds:.0f} s")
+
+
+def _export_gguf(args) -> None:
+    from pathlib import Path
+
+    from .checkpoints.gguf_export import check_exportable, export_gguf
+    from .checkpoints.sources import resolve_source
+
+    source = resolve_source(args.source, Path.cwd())
+    check_exportable(source.config, f"'{args.source}'")  # before loading any weights
+    name = Path(args.source).name if Path(args.source).is_dir() else args.source
+    target = Path(args.out) if args.out else Path(f"{name}.{args.type}.gguf")
+    path = export_gguf(source.load_model(), source.load_tokenizer(), target, args.type, name, args.overwrite)
+    print(f"{path} ({args.type}, {path.stat().st_size / 1e6:.1f} MB): llama-cli -m {path} -cnv")
 
 
 def _push(args) -> None:

@@ -26,6 +26,8 @@ class Family:
     qk_norm: bool = False  # per-head q/k RMSNorm: merged keys must start from the mean, not an SVD mix
     sparse_base: bool = False  # sparse_attention converts its attention (lightning indexer + top-k)
     vision_tower: str | None = None  # for an image encoder: the tower kind it donates ("clip", "siglip")
+    gguf_arch: str | None = None  # llama.cpp's architecture name: `surgeon export-gguf` writes it
+    gguf_interleaved_rope: bool = False  # llama.cpp rotates interleaved pairs: q/k rows are permuted
     tested: tuple[str, ...] = ()  # the test files that run it (each through a tiny fixture)
     real: str = ""  # a real checkpoint the tests also run it on, if any
 
@@ -42,11 +44,30 @@ FAMILIES: dict[str, Family] = {
             engine=True,
             residual_mlp=True,
             sparse_base=True,
-            tested=(*_LM_TESTS, "test_export.py", "test_engine.py", "test_sparse_attention.py"),
+            gguf_arch="llama",
+            gguf_interleaved_rope=True,
+            tested=(*_LM_TESTS, "test_export.py", "test_engine.py", "test_sparse_attention.py", "test_gguf_export.py"),
             real="SmolLM2-135M-Instruct",
         ),
-        Family("mistral", "lm", surgery=True, engine=True, residual_mlp=True, tested=(*_LM_TESTS, "test_engine.py")),
-        Family("qwen2", "lm", surgery=True, engine=True, residual_mlp=True, tested=(*_LM_TESTS, "test_engine.py")),
+        Family(
+            "mistral",
+            "lm",
+            surgery=True,
+            engine=True,
+            residual_mlp=True,
+            gguf_arch="llama",
+            gguf_interleaved_rope=True,
+            tested=(*_LM_TESTS, "test_engine.py", "test_gguf_export.py"),
+        ),
+        Family(
+            "qwen2",
+            "lm",
+            surgery=True,
+            engine=True,
+            residual_mlp=True,
+            gguf_arch="qwen2",
+            tested=(*_LM_TESTS, "test_engine.py", "test_gguf_export.py"),
+        ),
         Family(
             "qwen3",
             "lm",
@@ -81,6 +102,14 @@ FAMILIES: dict[str, Family] = {
             tested=("test_graft_vision.py", "test_vision_parts.py"),
         ),
     )
+}
+
+
+# llama.cpp's names for a byte-level BPE tokenizer's split rule (`tokenizer.ggml.pre`), recognised
+# by a piece of the rule's regex; ByteLevel alone is "gpt2", digits split first then ByteLevel "smollm".
+GGUF_PRE_TOKENIZERS = {
+    r"\p{N}{1,3}": "llama-bpe",  # Llama 3: numbers in runs of up to three digits
+    r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}": "qwen2",  # Qwen2: one digit at a time
 }
 
 

@@ -339,7 +339,7 @@ def test_int8_weights_stay_close_to_full_precision(tiny_llama):
     same = sum(a[:4] == b[:4] for a, b in zip(engine_tokens(full, batch), engine_tokens(quantized, batch)))
     assert same >= 4  # the first tokens of most prompts survive int8
     with pytest.raises(ValueError, match="quantize"):
-        LLM(str(tiny_llama), quantize="int4")
+        LLM(str(tiny_llama), quantize="int3")
 
 
 def test_compiled_decoding_gives_the_same_tokens(tiny_llama):

@@ -94,6 +94,7 @@ def test_export_contents_report_and_card(tiny_llama, text_dir, write_recipe, tmp
             "kl_mean",
             "kl_median",
             "kl_p99",
+            "kl_max",
             "top1_agreement",
             "ppl",
             "ppl_parent",

@@ -19,6 +19,8 @@ from ..report.plots import report_plots
 from ..vision.export import hf_processor, llava_compatible, to_llava
 from ..vision.graft import is_vlm
 from .atomic import atomic_folder
+from .compressed import compressed_state, quantization_config
+from .gguf_export import export_gguf
 from .sources import DTYPES
 
 log = logging.getLogger(__name__)
@@ -48,8 +50,13 @@ def export_model(
     recipe_text: str,
     dtype: str | None = None,
     overwrite: bool = False,
+    quantization=None,
+    gguf: list[str] = (),
+    name: str = "",
 ) -> Path:
-    """Write everything into a temporary sibling, then rename it to `target` (atomic on POSIX)."""
+    """Write everything into a temporary sibling, then rename it to `target` (atomic on POSIX).
+    `quantization` (a quantize step's recipe.patient.Quantization): those Linears are written as
+    compressed-tensors."""
     check_target(target, overwrite)
     with atomic_folder(target) as tmp:
         processor = None
@@ -57,13 +64,23 @@ def export_model(
             processor = hf_processor(model.config, tokenizer)
             if llava_compatible(model.config):
                 model = to_llava(model)
-        model.save_pretrained(tmp, state_dict=_converted_state(model, DTYPES[dtype]) if dtype else None)
-        if dtype:  # save_pretrained records the in-memory dtype; the file holds `dtype`
+        state = _converted_state(model, DTYPES[dtype]) if dtype else None
+        if quantization is not None:
+            state = compressed_state(state if state is not None else model.state_dict(), quantization)
+        model.save_pretrained(tmp, state_dict=state)
+        config_updates = {"dtype": dtype} if dtype else {}  # save_pretrained records the in-memory dtype
+        if quantization is not None:
+            linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+            config_updates["quantization_config"] = quantization_config(quantization, linears)
+        if config_updates:
             config_file = tmp / "config.json"
-            config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "dtype": dtype}, indent=2) + "\n")
+            config = {**json.loads(config_file.read_text()), **config_updates}
+            config_file.write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(tmp)
         if processor is not None:
             processor.save_pretrained(tmp)
+        for kind in gguf:  # exported from the model in memory: what the card measured
+            export_gguf(model, tokenizer, tmp / f"{name or target.name}.{kind}.gguf", kind, name or target.name)
         (tmp / "recipe.yaml").write_text(recipe_text, encoding="utf-8")
         report = {**report, "export_class": type(model).__name__}
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")

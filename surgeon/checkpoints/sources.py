@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -122,9 +123,15 @@ class Source:
             )
         folder = self.folder()
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=self.dtype, use_safetensors=True, trust_remote_code=self.trust_remote_code
-            )
+            with warnings.catch_warnings():  # "the model's own quantization_config will be used": as intended
+                warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder,
+                    dtype=self.dtype,
+                    use_safetensors=True,
+                    trust_remote_code=self.trust_remote_code,
+                    **_dequantizing(folder),
+                )
         except (OSError, ValueError) as exc:
             raise SourceError(f"source '{self.label}': cannot load the model: {exc}") from None
         # Loading artefacts would make the saved config differ from a plain checkpoint.
@@ -233,3 +240,17 @@ def _check_folder(path: Path, spec: str) -> None:
                 "only, because unpickling runs arbitrary code (convert it with transformers' save_pretrained)"
             )
         raise SourceError(f"source '{spec}': {path} has no *.safetensors weights")
+
+
+def _dequantizing(folder: Path) -> dict:
+    """For a compressed-tensors export (a quantize step's): load its integers as float weights
+    (exactly q * scale), so surgery, evaluation and the engine see an ordinary model."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return {}
+    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}

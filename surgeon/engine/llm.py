@@ -17,7 +17,7 @@ import torch
 
 from .block_manager import BlockManager
 from .loader import Loaded, from_memory, load
-from .quantize import quantize_int8
+from .quantize import quantize_weights
 from .runner import ModelRunner
 from .sampler import sample
 from .sampling import SamplingParams
@@ -64,10 +64,13 @@ def _text_only(message: dict) -> dict:
 
 class LLM:
     """`path`: a surgeon export, a Hugging Face folder of a supported family, or a surgeon alias.
-    `quantize="int8"`: int8 weights on a CPU (faster decoding, outputs close to but not identical
-    to the full-precision model's). `compile=True`: decode steps through torch.compile (the first
-    steps of each batch shape compile, ~30-60 s on 2 CPU cores). `kv_cache_tokens`: positions the
-    paged cache holds over all sequences (default: 1 GiB worth on a CPU, 60% of free memory on a GPU).
+    `quantize="int8"|"int4"`: int8 (per channel) or int4 (groups of 32) weights on a CPU, rounded
+    to nearest here (faster decoding, outputs close to but not identical to the full-precision
+    model's). A quantize step's export (compressed-tensors) runs on its own integers and scales by
+    default on a CPU; `quantize="none"` runs its dequantized weights in float instead.
+    `compile=True`: decode steps through torch.compile (the first steps of each batch shape
+    compile, ~30-60 s on 2 CPU cores). `kv_cache_tokens`: positions the paged cache holds over
+    all sequences (default: 1 GiB worth on a CPU, 60% of free memory on a GPU).
     `max_batched_tokens`: the prefill chunk budget per step. `speculative`: decode speculatively
     (the output distribution is unchanged; greedy output is the same tokens): "ngram", a draft
     checkpoint's path, or a dict such as {"method": "model", "draft": PATH, "k": 4} (see
@@ -96,12 +99,18 @@ class LLM:
         loaded = path if isinstance(path, Loaded) else load(str(path), self.device, self.dtype, trust_remote_code)
         self.model, self.tokenizer, self.vision = loaded.model, loaded.tokenizer, loaded.vision
         self.model_name = loaded.name
-        if quantize not in (None, "int8"):
-            raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
-        if quantize == "int8":
+        if quantize not in (None, "none", "int8", "int4"):
+            raise ValueError(f"quantize must be None, 'none', 'int8' or 'int4', got {quantize!r}")
+        exported = loaded.exported_quantization
+        if quantize is None and exported and self.device.type == "cpu":
+            quantize = f"int{exported['bits']}"
+        self.quantized = quantize if quantize in ("int8", "int4") else None
+        if self.quantized:
             if self.device.type != "cpu":
-                raise ValueError("quantize='int8' is a CPU decoding path; on a GPU use dtype='bfloat16'")
-            quantize_int8(self.model)
+                raise ValueError(f"quantize={quantize!r} is a CPU decoding path; on a GPU use dtype='bfloat16'")
+            bits = int(self.quantized[3:])
+            scales = exported["scales"] if exported and exported["bits"] == bits else None
+            quantize_weights(self.model, bits, exported=scales)
         per_token = ModelRunner.cache_bytes_per_token(self.model, self.dtype)
         if kv_cache_tokens is None:
             kv_cache_tokens = self._default_cache_tokens(per_token)

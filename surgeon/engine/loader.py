@@ -29,6 +29,7 @@ class Loaded:
     vision: VisionEncoder | None
     eos_ids: set[int]
     name: str
+    exported_quantization: dict | None = None  # a compressed-tensors export: {"bits", "scales"}
 
 
 def _model_type(path: Path) -> str | None:
@@ -75,7 +76,29 @@ def load(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code:
     tokenizer = source.load_tokenizer()
     eos = _eos_ids(tokenizer, source.generation_config(), causal_lm.config)
     name = path.name if path.is_dir() else spec
-    return Loaded(LlamaEngineModel(causal_lm).eval(), tokenizer, None, eos, name)
+    exported = exported_quantization(path) if path.is_dir() else None
+    return Loaded(LlamaEngineModel(causal_lm).eval(), tokenizer, None, eos, name, exported)
+
+
+def exported_quantization(folder: Path) -> dict | None:
+    """A compressed-tensors export's bit width and per-Linear scales (transformers has already
+    turned its integers into float weights, exactly q * scale; the scales recover the integers)."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    if config.get("quant_method") != "compressed-tensors":
+        return None
+    groups = list(config.get("config_groups", {}).values())
+    weights = groups[0].get("weights") if len(groups) == 1 else None
+    if not weights or weights.get("type") != "int" or not weights.get("symmetric", True):
+        return None  # another scheme: the engine runs the dequantized float weights
+    scales = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key.endswith(".weight_scale"):
+                    scales[key.removesuffix(".weight_scale")] = handle.get_tensor(key).float()
+    return {"bits": int(weights["num_bits"]), "scales": scales}
 
 
 def from_memory(causal_lm, tokenizer, device: torch.device, dtype: torch.dtype) -> Loaded:

@@ -28,7 +28,7 @@ from ..checkpoints.atomic import atomic_folder
 from ..checkpoints.cache import cache_dir, prune_entries
 from ..surgery.architecture import output_logits
 
-METRIC_NAMES = ("kl_mean", "kl_median", "kl_p99", "top1_agreement", "ppl", "ppl_parent", "tokens")
+METRIC_NAMES = ("kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement", "ppl", "ppl_parent", "tokens")
 _CHUNK_BYTES = 64 * 2**20  # fp32 logits formed at once
 
 
@@ -140,6 +140,7 @@ def summarize(kl: torch.Tensor, agree: torch.Tensor, child_nll: torch.Tensor, pa
         "kl_mean": kl.mean().item(),
         "kl_median": kl.median().item(),
         "kl_p99": torch.quantile(kl, 0.99).item(),
+        "kl_max": kl.max().item(),
         "top1_agreement": agree.double().mean().item(),
         "ppl": math.exp(child_nll.double().mean().item()),
         "ppl_parent": math.exp(parent_nll.double().mean().item()),

@@ -39,6 +39,16 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Quantization:
+    """What a quantize step left: the format and, per Linear, its integers, scales and zeros (the
+    model itself holds their dequantized values). The export writes these as compressed-tensors."""
+
+    format: Any  # surgery.quantize.QuantFormat
+    method: str
+    weights: dict[str, Any]  # Linear name -> surgery.quantize.QuantizedWeight
+
+
+@dataclass(frozen=True)
 class Patient:
     """The model under surgery. Operations return a new Patient (dataclasses.replace), never edit one.
 
@@ -53,6 +63,7 @@ class Patient:
     provenance: tuple[Provenance, ...] = ()
     stages: tuple[Stage, ...] = ()
     origin: tuple[int | None, ...] | None = None  # per layer: the parent layer it came from (None: new)
+    quantization: Quantization | None = None  # set by quantize; any later change of weights drops it
 
     @classmethod
     def from_source(cls, source: Source) -> Patient:
@@ -83,7 +94,11 @@ class Patient:
             model=model,
             provenance=self.provenance + (entry,),
             origin=tuple(origin) if origin is not None else self.origin,
+            quantization=None,  # the new weights are no longer the quantized integers
         )
+
+    def with_quantization(self, quantization: Quantization) -> Patient:
+        return dataclasses.replace(self, quantization=quantization)
 
     def with_stage(self, stage: Stage) -> Patient:
         return dataclasses.replace(self, stages=self.stages + (stage,))

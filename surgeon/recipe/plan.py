@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import families
+from ..checkpoints.gguf_export import check_exportable
 from ..checkpoints.sources import DTYPES, Source, resolve_source
-from ..errors import ParamError, RecipeError, SourceError
+from ..errors import ExportError, ParamError, RecipeError, SourceError
 from ..ops import OPERATIONS
 from ..paths import PathRefused, user_path
 from ..surgery.architecture import Shape, shape_of
@@ -94,6 +95,12 @@ def plan_recipe(recipe: Recipe) -> Plan:
     export_dtype = recipe.spec.export.dtype
     if export_dtype and DTYPES[export_dtype] != state.dtype:
         plan.rows.append(PlanRow("export", f"saved as {export_dtype}", shape_of(state.config, DTYPES[export_dtype])))
+    for kind in recipe.spec.export.gguf_types():
+        try:
+            check_exportable(state.config, "export.gguf")
+        except ExportError as exc:
+            raise RecipeError([recipe.problem(("export", "gguf"), str(exc).removeprefix("export.gguf: "))]) from None
+        plan.rows.append(PlanRow("export", f"also {recipe.spec.name}.{kind}.gguf", shape_of(state.config, state.dtype)))
     return plan
 
 

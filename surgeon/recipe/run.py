@@ -97,6 +97,9 @@ def run_recipe(
             recipe_text=recipe.text,
             dtype=recipe.spec.export.dtype,
             overwrite=overwrite,
+            quantization=patient.quantization,
+            gguf=recipe.spec.export.gguf_types(),
+            name=recipe.spec.name,
         )
         shutil.rmtree(work, ignore_errors=True)
     state.wait_for_everyone()

@@ -48,8 +48,12 @@ class PushSpec(BaseModel):
     private: bool = False
 
 
+GGUFType = Literal["f16", "bf16", "q8_0", "q4_0", "q4_1"]
+
+
 class ExportSpec(BaseModel):
-    """`path` defaults to out/NAME in the current directory; `dtype` converts the saved weights."""
+    """`path` defaults to out/NAME in the current directory; `dtype` converts the saved weights;
+    `gguf`: a type or list of types, each also written as NAME.TYPE.gguf in the export folder."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -57,6 +61,10 @@ class ExportSpec(BaseModel):
     dtype: DType | None = None
     overwrite: bool = False
     push: PushSpec | None = None
+    gguf: GGUFType | list[GGUFType] | None = None
+
+    def gguf_types(self) -> list[str]:
+        return [] if self.gguf is None else [self.gguf] if isinstance(self.gguf, str) else list(self.gguf)
 
 
 class RecipeSpec(BaseModel):

@@ -97,7 +97,7 @@ def _kl_section(kl_stages: list[dict]) -> list[str]:
         "|---|---|" + "---:|" * len(METRIC_NAMES),
     ]
     for stage in kl_stages:
-        cells = [_fmt(stage["metrics"][name]) for name in METRIC_NAMES]
+        cells = [_fmt(stage["metrics"].get(name, "—")) for name in METRIC_NAMES]  # kl_max: newer reports only
         lines.append(f"| {stage['name']} | {stage['data']} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -180,6 +180,8 @@ def _healing_section(entry: dict) -> list[str]:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, str):
+        return value
     if isinstance(value, int):
         return f"{value:,}"
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"

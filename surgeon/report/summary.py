@@ -16,7 +16,8 @@ def metrics_line(name: str, m: dict) -> str:
     """KL-to-parent metrics (evaluate, surgeon eval) as one line."""
     return (
         f"{name}: kl_mean {m['kl_mean']:.4f}  kl_median {m['kl_median']:.4f}  kl_p99 {m['kl_p99']:.4f}  "
-        f"top1_agreement {m['top1_agreement']:.4f}  ppl {m['ppl']:.2f}  ppl_parent {m['ppl_parent']:.2f}  "
+        + (f"kl_max {m['kl_max']:.2f}  " if "kl_max" in m else "")
+        + f"top1_agreement {m['top1_agreement']:.4f}  ppl {m['ppl']:.2f}  ppl_parent {m['ppl_parent']:.2f}  "
         f"tokens {m['tokens']}"
     )
 
