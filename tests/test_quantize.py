@@ -127,6 +127,8 @@ def test_quantize_recipe_exports_compressed_tensors_that_plain_transformers_load
     weights = quant["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 32, symmetric)
     assert ("lm_head" in quant["ignore"]) != lm_head
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "kl_max" in card and "pip install compressed-tensors" in card
 
     # The patient's logits, then the export's through plain transformers in a process that never
     # imports surgeon: the same integers, scales and zeros give the same model.
@@ -201,7 +203,8 @@ def test_int4_engine_linear_holds_the_exported_integers():
         recovered = linear(torch.eye(128)).T
         assert torch.allclose(recovered, dense, rtol=1e-2, atol=1e-3), fmt
         x = torch.randn(5, 128)
-        assert torch.allclose(linear(x), x @ dense.T, rtol=0.05, atol=0.05), fmt
+        exact = x @ dense.T
+        assert (linear(x) - exact).norm() / exact.norm() < 0.01, fmt  # bf16 rounding of x only
 
 
 def test_the_engine_serves_an_int4_export_on_its_own_integers(tmp_path, tiny_llama, text_dir, write_recipe):

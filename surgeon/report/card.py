@@ -235,6 +235,16 @@ def _use_section(vision: bool, report: dict) -> list[str]:
                 if sparse
                 else []
             ),
+            *(
+                [
+                    "The weights are int4/int8 in compressed-tensors format: transformers needs the "
+                    "`compressed-tensors` package (`pip install compressed-tensors`); vLLM and "
+                    "`surgeon serve` load them as they are.",
+                    "",
+                ]
+                if report["provenance"] and report["provenance"][-1]["op"] == "quantize"  # not healed since
+                else []
+            ),
         ]
     remote = report.get("export_class") != "LlavaForConditionalGeneration"
     flag = ", trust_remote_code=True" if remote else ""
