@@ -243,11 +243,10 @@ def test_input_hessians_are_each_linears_own_inputs(tiny_llama):
     equals X^T X of what that Linear was called with."""
     from transformers import AutoModelForCausalLM
 
-    from surgeon.ops.quantize import linear_names
-    from surgeon.surgery.quantize import input_hessians
+    from surgeon.surgery.quantize import input_hessians, linear_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    names = [n for n in linear_names(model) if n != "lm_head"]
+    names = [n for n in linear_inputs(model) if n != "lm_head"]
     windows = torch.randint(3, 300, (3, 24), generator=torch.Generator().manual_seed(0))
     hessians = input_hessians(model, names, windows)
     seen: dict[str, torch.Tensor] = {}

@@ -9,6 +9,9 @@ step refuses asymmetric ones, whose packed zero points transformers 5 cannot loa
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 FORMAT = "pack-quantized"
@@ -20,15 +23,25 @@ def compressed_state(state: dict[str, torch.Tensor], quantization) -> dict[str, 
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     fmt = quantization.format
+    if not fmt.symmetric:
+        raise ValueError("compressed-tensors export: symmetric formats only")
     out = dict(state)
     for name, weight in quantization.weights.items():
         del out[f"{name}.weight"]
         out[f"{name}.weight_packed"] = pack_to_int32(weight.q.contiguous(), fmt.bits)
         out[f"{name}.weight_scale"] = weight.scale.float().contiguous()
         out[f"{name}.weight_shape"] = torch.tensor(list(weight.q.shape), dtype=torch.int64)
-        if not fmt.symmetric:
-            raise ValueError("compressed-tensors export: symmetric formats only")
     return out
+
+
+def compressed_tensors_config(folder: Path) -> dict | None:
+    """The `quantization_config` of a compressed-tensors checkpoint in `folder` (a quantize step's
+    export), or None for any other folder."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    return quantization if quantization.get("quant_method") == "compressed-tensors" else None
 
 
 def quantization_config(quantization, linear_names: list[str]) -> dict:

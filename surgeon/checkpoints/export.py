@@ -16,6 +16,7 @@ import torch
 from ..errors import ExportError
 from ..report.card import render_card
 from ..report.plots import report_plots
+from ..surgery.quantize import linear_inputs
 from ..vision.export import hf_processor, llava_compatible, to_llava
 from ..vision.graft import is_vlm
 from .atomic import atomic_folder
@@ -70,8 +71,7 @@ def export_model(
         model.save_pretrained(tmp, state_dict=state)
         config_updates = {"dtype": dtype} if dtype else {}  # save_pretrained records the in-memory dtype
         if quantization is not None:
-            linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-            config_updates["quantization_config"] = quantization_config(quantization, linears)
+            config_updates["quantization_config"] = quantization_config(quantization, list(linear_inputs(model)))
         if config_updates:
             config_file = tmp / "config.json"
             config = {**json.loads(config_file.read_text()), **config_updates}

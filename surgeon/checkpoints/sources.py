@@ -26,6 +26,7 @@ from ..surgery.selection import select, unmatched_patterns
 from .aliases import ALIASES, Alias
 from .atomic import atomic_folder
 from .cache import cache_dir
+from .compressed import compressed_tensors_config
 
 log = logging.getLogger(__name__)
 
@@ -245,11 +246,7 @@ def _check_folder(path: Path, spec: str) -> None:
 def _dequantizing(folder: Path) -> dict:
     """For a compressed-tensors export (a quantize step's): load its integers as float weights
     (exactly q * scale), so surgery, evaluation and the engine see an ordinary model."""
-    config = folder / "config.json"
-    if not config.is_file():
-        return {}
-    quantization = json.loads(config.read_text()).get("quantization_config") or {}
-    if quantization.get("quant_method") != "compressed-tensors":
+    if compressed_tensors_config(folder) is None:
         return {}
     from transformers import CompressedTensorsConfig
 

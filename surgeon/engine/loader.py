@@ -85,8 +85,10 @@ def exported_quantization(folder: Path) -> dict | None:
     turned its integers into float weights, exactly q * scale; the scales recover the integers)."""
     from safetensors import safe_open
 
-    config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    if config.get("quant_method") != "compressed-tensors":
+    from ..checkpoints.compressed import compressed_tensors_config
+
+    config = compressed_tensors_config(folder)
+    if config is None:
         return None
     groups = list(config.get("config_groups", {}).values())
     weights = groups[0].get("weights") if len(groups) == 1 else None

@@ -20,14 +20,40 @@ from torch import nn
 INT4_GROUPS = (256, 128, 64, 32)  # what the int4 CPU kernel takes
 
 
+def int8_codes(weight: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [out, in], scales [out]): symmetric per output channel; scales from the weights'
+    row maxima unless given."""
+    if scales is None:
+        scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127
+    scales = scales.float().reshape(-1)
+    return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def int4_codes(
+    weight: torch.Tensor, group: int, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(q int32 in [-8, 7], scales [out, in / group], group) in a group size the kernel takes;
+    `scales` [out, in / g] as exported (their g wins over `group`), else from the group maxima."""
+    out_features, in_features = weight.shape
+    if scales is not None:
+        group = in_features // scales.shape[1]
+    else:
+        scales = weight.reshape(out_features, -1, group).abs().amax(dim=-1).clamp_min(1e-10) / 7.5
+    scales = scales.float()
+    if group not in INT4_GROUPS:  # per channel: the same scale repeated over the kernel's groups
+        coarse = group
+        group = next(g for g in INT4_GROUPS if coarse % g == 0)
+        scales = scales.repeat_interleave(coarse // group, dim=1)
+    q = (weight / scales.repeat_interleave(group, dim=1)).round().clamp(-8, 7).to(torch.int32)
+    return q, scales, group
+
+
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None = None):
         super().__init__()
         weight = weight.detach().float()
-        if scales is None:
-            scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127
-        scales = scales.float().reshape(-1)
-        self.register_buffer("weight", (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        q, scales = int8_codes(weight, scales)
+        self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(torch.bfloat16))
         self.bias = bias
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -51,18 +77,8 @@ class Int4Linear(nn.Module):
         super().__init__()
         weight = weight.detach().float()
         out_features, in_features = weight.shape
-        if scales is not None:
-            group = in_features // scales.shape[1]
-        else:
-            scales = weight.reshape(out_features, -1, group).abs().amax(dim=-1).clamp_min(1e-10) / 7.5
-        scales = scales.float()
-        if group not in INT4_GROUPS:  # per channel: the same scale repeated over the kernel's groups
-            coarse = group
-            group = next(g for g in INT4_GROUPS if coarse % g == 0)
-            scales = scales.repeat_interleave(coarse // group, dim=1)
-        expanded = scales.repeat_interleave(group, dim=1)
-        q = (weight / expanded).round().clamp(-8, 7).to(torch.int32) + 8
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+        q, scales, group = int4_codes(weight, group, scales)
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q + 8, 2))
         # The kernel computes (q - 8) * scale + zero per group; symmetric: zero = 0.
         self.register_buffer(
             "scales_and_zeros",
@@ -118,10 +134,6 @@ def _int8_scales(scales: torch.Tensor | None) -> torch.Tensor | None:
     return scales if scales is not None and scales.shape[1] == 1 else None
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    return quantize_weights(model, 8)
-
-
 def dequantized_parent(causal_lm: nn.Module, mode: str) -> nn.Module:
     """A copy of a transformers model holding the values `quantize_weights(..., int8|int4)` rounds
     its Linears to (without an export's scales), for measuring what the engine's own rounding costs."""
@@ -135,11 +147,10 @@ def dequantized_parent(causal_lm: nn.Module, mode: str) -> nn.Module:
                 continue
             weight = module.weight.float()
             if bits == 8 or name == "lm_head":
-                scales = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
-                values = (weight / scales).round().clamp(-127, 127) * scales
+                q, scales = int8_codes(weight)
+                values = q.float() * scales[:, None]
             else:
-                grouped = weight.reshape(weight.shape[0], -1, 32)
-                scales = grouped.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / 7.5
-                values = ((grouped / scales).round().clamp(-8, 7) * scales).reshape(weight.shape)
+                q, scales, group = int4_codes(weight, 32)
+                values = q.float() * scales.repeat_interleave(group, dim=1)
             module.weight = nn.Parameter(values.to(module.weight.dtype), requires_grad=False)
     return model

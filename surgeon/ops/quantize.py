@@ -27,7 +27,14 @@ from ..errors import ParamError
 from ..measure.metrics import compare_to_parent, parent_reference
 from ..recipe.patient import Patient, Provenance, Quantization, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
-from ..surgery.quantize import QuantFormat, input_hessians, output_error, quantize_gptq, quantize_rtn
+from ..surgery.quantize import (
+    QuantFormat,
+    input_hessians,
+    linear_inputs,
+    output_error,
+    quantize_gptq,
+    quantize_rtn,
+)
 from ..surgery.selection import select, unmatched_patterns
 from ..text import TextData, describe_files
 
@@ -96,10 +103,6 @@ class QuantizeParams(FormatSpec):
         return self
 
 
-def linear_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-
-
 def _targets(names: list[str], params: QuantizeParams) -> list[str]:
     chosen = [name for name in select(names, params.modules) if name != "lm_head"]
     return chosen + (["lm_head"] if params.lm_head and "lm_head" in names else [])
@@ -125,7 +128,8 @@ class Quantize(Operation):
         with torch.device("meta"):
             from transformers import AutoModelForCausalLM
 
-            names = linear_names(AutoModelForCausalLM.from_config(config))
+            widths = linear_inputs(AutoModelForCausalLM.from_config(config))
+        names = list(widths)
         missing = unmatched_patterns([n for n in names if n != "lm_head"], params.modules)
         if missing:
             raise ParamError(("modules",), f"{', '.join(missing)} match no Linear layer (e.g. {names[0]})")
@@ -135,14 +139,12 @@ class Quantize(Operation):
         ]
         for path, spec in specs:
             for name in targets:
-                columns = _columns(config, name)
-                if spec.group_size and columns % spec.group_size:
+                if spec.group_size and widths[name] % spec.group_size:
                     raise ParamError(
-                        (*path, "group_size"), f"{name} has {columns} inputs, not a multiple of {spec.group_size}"
+                        (*path, "group_size"), f"{name} has {widths[name]} inputs, not a multiple of {spec.group_size}"
                     )
-        for field in ("calibration",):
-            if (data := getattr(params, field)) is not None:
-                ctx.resolve_text(field, data, (field,))
+        if params.calibration is not None:
+            ctx.resolve_text("calibration", params.calibration, ("calibration",))
         if params.compare is not None:
             ctx.resolve_text("compare", params.compare.data, ("compare", "data"))
         note = f"{params.label} on {len(targets)} Linear layers"
@@ -152,7 +154,7 @@ class Quantize(Operation):
 
     def apply(self, params: QuantizeParams, patient: Patient, ctx: StepContext) -> Patient:
         model = patient.model
-        targets = _targets(linear_names(model), params)
+        targets = _targets(list(linear_inputs(model)), params)
         hessians = calibration_files = None
         started = time.perf_counter()
         if params.calibration is not None:
@@ -227,16 +229,6 @@ class Quantize(Operation):
             )
             del candidate, quantized
         return stages, measured
-
-
-def _columns(config, name: str) -> int:
-    if name.endswith("down_proj"):
-        return config.intermediate_size
-    if name.endswith("o_proj"):
-        return config.num_attention_heads * (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-    return config.hidden_size
 
 
 def quantize_linears(model, targets: list[str], spec: FormatSpec, hessians, damp: float):

@@ -172,6 +172,11 @@ def output_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.T
     return ((delta @ h) * delta).sum().item() / max(((weight.double() @ h) * weight.double()).sum().item(), 1e-30)
 
 
+def linear_inputs(model: torch.nn.Module) -> dict[str, int]:
+    """{name: in_features} of every Linear in `model` (on the meta device too), in module order."""
+    return {name: m.in_features for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
 @torch.inference_mode()
 def input_hessians(model: torch.nn.Module, names: list[str], windows: torch.Tensor) -> dict[str, torch.Tensor]:
     """X^T X of each named Linear's inputs over `windows` (one forward per window). Linears that
