@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(handler=_export_gguf)
 
+    p = sub.add_parser("import-mergekit", help="translate a mergekit config into the equivalent surgeon recipe")
+    p.add_argument("config", help="a mergekit YAML config")
+    p.add_argument("-o", "--out", help="write the recipe to this file (default: print it)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(handler=_import_mergekit)
+
     p = sub.add_parser("push", help="upload an export to the Hugging Face Hub")
     p.add_argument("folder")
     p.add_argument("--repo-id", required=True)
@@ -254,6 +260,27 @@ def _export_gguf(args) -> None:
     target = Path(args.out) if args.out else Path(f"{name}.{args.type}.gguf")
     path = export_gguf(source.load_model(), source.load_tokenizer(), target, args.type, name, args.overwrite)
     print(f"{path} ({args.type}, {path.stat().st_size / 1e6:.1f} MB): llama-cli -m {path} -cnv")
+
+
+def _import_mergekit(args) -> None:
+    from pathlib import Path
+
+    from .checkpoints.atomic import atomic_file
+    from .errors import ExportError
+    from .recipe.mergekit_import import import_mergekit
+    from .recipe.schema import load_recipe
+
+    text = import_mergekit(args.config, args.out)
+    target = Path(args.out) if args.out else Path(args.config).with_suffix(".surgeon.yaml")
+    load_recipe(target, text)  # the translation is a valid recipe, or this is surgeon's bug
+    if not args.out:
+        print(text, end="")
+        return
+    if target.exists() and not args.overwrite:
+        raise ExportError(f"{target} exists: pass --overwrite to replace it")
+    with atomic_file(target) as tmp:
+        tmp.write_text(text)
+    print(f"wrote {target}: surgeon plan {target} shows what it will do")
 
 
 def _push(args) -> None:

@@ -233,3 +233,11 @@ def tiny_family_config(model_type: str):
             SiglipVisionConfig(**vision) if model_type == "siglip_vision_model" else SiglipConfig(vision_config=vision)
         )
     raise ValueError(f"no tiny config for {model_type!r}")
+
+
+@pytest.fixture(scope="session")
+def trio(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    """A tiny base and two small, partly opposing changes of it: what merges are tested on."""
+    from merge_reference import make_trio
+
+    return make_trio(tmp_path_factory.mktemp("merge-trio"), tokenizer_dir)

@@ -72,6 +72,24 @@ def test_heal_reduces_kl_and_reports_it(write_recipe, tiny_llama, text_dir, tmp_
     )
 
 
+def test_cross_entropy_alone_fine_tunes_without_running_the_teacher(
+    write_recipe, tiny_llama, text_dir, tmp_path, monkeypatch
+):
+    def no_teacher(*_args, **_kwargs):
+        raise AssertionError("a cross-entropy fine-tune ran the teacher")
+
+    monkeypatch.setattr("surgeon.training.loop.teacher_forward", no_teacher)
+    recipe = heal_recipe(write_recipe, tiny_llama, text_dir, steps=12, loss={"kl": 0, "ce": 1})
+    plan = format_plan(plan_recipe(load_recipe(recipe)))
+    assert "cross-entropy, no teacher" in plan
+    result = run_recipe(load_recipe(recipe), out=tmp_path / "ft")
+    entry = result.report["provenance"][-1]
+    assert entry["why"].startswith("fine-tuning on the text (cross-entropy x1.0, no teacher)")
+    assert entry["details"]["training"]["shared_prefix_layers"] == 0
+    curve = [point["ce"] for point in entry["details"]["curve"]]
+    assert sum(curve[-3:]) < sum(curve[:3]), curve  # it learned the text
+
+
 def test_plan_shows_trainable_parameters_and_checks_them(write_recipe, tiny_llama, text_dir):
     plan = plan_recipe(load_recipe(heal_recipe(write_recipe, tiny_llama, text_dir)))
     row = plan.rows[3]

@@ -27,6 +27,7 @@ from .aliases import ALIASES, Alias
 from .atomic import atomic_folder
 from .cache import cache_dir
 from .compressed import compressed_tensors_config
+from .hub import hub_config_folder, hub_snapshot, looks_like_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ class Source:
     """A checkpoint surgeon can read. `label` is how the user wrote it (for messages)."""
 
     label: str
-    kind: str  # "alias" | "folder" | "gguf"
-    location: str  # alias name, or absolute path of the folder / .gguf file
+    kind: str  # "alias" | "folder" | "gguf" | "hub"
+    location: str  # alias name, Hub id, or absolute path of the folder / .gguf file
     modules: tuple[str, ...] | None = None  # glob subset of tensor names this source provides
     dtype: torch.dtype = torch.float32
     trust_remote_code: bool = False
@@ -54,7 +55,7 @@ class Source:
         """The upstream Hub repository, for model cards (aliases, or folders saved from the Hub)."""
         if self.alias:
             return self.alias.hub_id
-        return None
+        return self.location if self.kind == "hub" else None
 
     def describe(self) -> str:
         subset = f" (modules {', '.join(self.modules)})" if self.modules else ""
@@ -66,6 +67,8 @@ class Source:
     def config(self) -> PretrainedConfig:
         folder = self._converted_folder()
         try:
+            if folder is None and self.kind == "hub":
+                folder = hub_config_folder(self.location)
             if folder is not None:
                 config = AutoConfig.from_pretrained(folder, trust_remote_code=self.trust_remote_code)
             else:
@@ -92,6 +95,9 @@ class Source:
         """Changes whenever the weights could have changed (used to key cached parent logits)."""
         if self.kind == "alias":
             key = f"alias:{self.location}:{self.alias.version()}"
+        elif self.kind == "hub":
+            snapshot = self._converted_folder()
+            key = f"hub:{self.location}:{snapshot.name if snapshot else 'not fetched'}"
         else:
             path = Path(self.location)
             files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
@@ -105,6 +111,8 @@ class Source:
         converted = self._converted_folder()
         if converted is not None:
             return converted
+        if self.kind == "hub":
+            return hub_snapshot(self.location, download=True)
         from .gguf import convert_gguf
 
         target = self._conversion_target()
@@ -184,6 +192,8 @@ class Source:
     def _converted_folder(self) -> Path | None:
         if self.kind == "folder":
             return Path(self.location)
+        if self.kind == "hub":
+            return hub_snapshot(self.location, download=False)
         target = self._conversion_target()
         return target if (target / "config.json").is_file() else None
 
@@ -226,6 +236,8 @@ def resolve_source(
         return source
     if path.exists():
         raise SourceError(f"source '{spec}': {path} is neither a model folder nor a .gguf file")
+    if looks_like_hub_id(spec):
+        return Source(label=spec, kind="hub", location=spec, **common)
     known = ", ".join(sorted(ALIASES))
     raise SourceError(f"source '{spec}': not a known alias ({known}) and no such file or folder: {path}")
 

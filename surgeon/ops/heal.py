@@ -99,7 +99,9 @@ class Heal(Operation):
         )
         note = (
             f"train {counts['trainable'] / 1e6:.2f}M params ({share:.1%}, {how}); {params.steps} steps, "
-            f"~{tokens / 1e3:.0f}K tokens; teacher {params.teacher}" + "".join(f"; {line}" for line in generation)
+            f"~{tokens / 1e3:.0f}K tokens; "
+            + (f"teacher {params.teacher}" if params.loss.kl or params.loss.hidden else "cross-entropy, no teacher")
+            + "".join(f"; {line}" for line in generation)
         )
         return state, note
 
@@ -156,12 +158,7 @@ class Heal(Operation):
                 f"healed for {result.steps_done} steps on {result.tokens:,} target tokens "
                 f"({counts['trainable']:,} parameters trained{', LoRA merged' if params.train.lora else ''})"
             ),
-            why=(
-                f"distillation from the {params.teacher} (KL x{params.loss.kl} at T={params.loss.temperature}"
-                f"{f', CE x{params.loss.ce}' if params.loss.ce else ''}"
-                f"{f', hidden x{params.loss.hidden}' if params.loss.hidden else ''}) on "
-                f"{' + '.join(named)}{kl_text}"
-            ),
+            why=f"{_objective(params)} on {' + '.join(named)}{kl_text}",
             # The run digest (recipe, data, what trained) makes the patient's fingerprint unique to
             # this training, so caches keyed by it never mistake one healed model for another.
             params={"steps": result.steps_done, "trainable": counts, "teacher": params.teacher, "run": digest},
@@ -197,3 +194,14 @@ def _with_indexers(train: TrainSpec, model) -> TrainSpec:
     if not sparse_modules(model):
         return train
     return train.model_copy(update={"params": [*(train.params or []), "model.layers.*.self_attn.indexer"]})
+
+
+def _objective(params: HealParams) -> str:
+    """What the step trained towards, in words: distillation, or plain fine-tuning (cross-entropy only)."""
+    loss = params.loss
+    if not loss.kl and not loss.hidden:
+        return f"fine-tuning on the text (cross-entropy x{loss.ce}, no teacher)"
+    return (
+        f"distillation from the {params.teacher} (KL x{loss.kl} at T={loss.temperature}"
+        f"{f', CE x{loss.ce}' if loss.ce else ''}{f', hidden x{loss.hidden}' if loss.hidden else ''})"
+    )

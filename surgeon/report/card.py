@@ -6,12 +6,14 @@ import yaml
 
 from ..measure.metrics import METRIC_NAMES
 from .chat_sections import chat_section, ifeval_section
+from .merge_section import merge_section
 from .provenance_plots import CARD_PREFIXES
 from .vision_rows import vision_rows
 
 _TAGS_BY_OP = {
     "drop_layers": "layer-pruning",
     "stack": "passthrough",
+    "merge": "merge",
     "heal": "distillation",
     "evaluate": None,
     "graft_vision": "vision-graft",
@@ -35,6 +37,8 @@ def render_card(report: dict, recipe_text: str, plots: list[str] = ()) -> str:
     for entry in report["provenance"]:
         if entry["op"] == "heal":
             lines += _healing_section(entry)
+        elif entry["op"] == "merge":
+            lines += merge_section(entry)
     lines += _use_section(vision, report)
     lines += ["## Recipe", "", "```yaml", recipe_text.strip(), "```", ""]
     return "\n".join(lines)

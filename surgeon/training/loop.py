@@ -107,9 +107,12 @@ def train(
 
     first = first_trainable_layer(student)
     use_cache = spec.teacher_cache is not None
-    prefix = 0 if use_cache or not teacher_is_parent else shared_prefix_length(student, teacher, first)
-    result.shared_prefix = prefix
     pairs = _hidden_pairs(layer_origin, first, spec.loss.hidden, teacher_is_parent)
+    # Cross-entropy alone (a fine-tune) needs no teacher forward at all.
+    teacher_free = spec.loss.kl == 0 and not pairs
+    shares_prefix = not (use_cache or teacher_free) and teacher_is_parent
+    prefix = shared_prefix_length(student, teacher, first) if shares_prefix else 0
+    result.shared_prefix = prefix
     cache = TeacherCache(teacher, teacher_fingerprint, data.digest(), spec.teacher_cache.top_k) if use_cache else None
     loss_config = LossConfig(
         temperature=spec.loss.temperature,
@@ -136,7 +139,17 @@ def train(
             sync = micro == spec.grad_accum - 1
             with accelerator.no_sync(body) if not sync else nullcontext(), accelerator.autocast():
                 loss, parts = _micro_step(
-                    body, student, teacher, ids, mask, windows, prefix, pairs, cache, loss_config, spec.loss.hidden
+                    body,
+                    student,
+                    None if teacher_free else teacher,
+                    ids,
+                    mask,
+                    windows,
+                    prefix,
+                    pairs,
+                    cache,
+                    loss_config,
+                    spec.loss.hidden,
                 )
                 if indexers:
                     index_loss = mean_indexer_loss(indexers)
@@ -178,20 +191,20 @@ def train(
 
 def _micro_step(body, student, teacher, ids, mask, windows, prefix, pairs, cache, config, hidden_weight):
     capture_teacher = [t for _, t in pairs]
-    start_hidden, dense = None, None
-    if cache is None:
+    start_hidden, dense, teacher_layers = None, None, {}
+    if teacher is not None and cache is None:
         out = teacher_forward(teacher, ids, prefix, capture_teacher)
         start_hidden = out.boundary
         selected = mask.bool()
         dense = DenseTeacher(out.final_hidden[selected].clone(), head_weight(teacher), logit_softcap(teacher))
         teacher_layers = out.layer_outputs
-    else:
-        teacher_layers = teacher_forward(teacher, ids, 0, capture_teacher).layer_outputs if pairs else {}
+    elif teacher is not None and pairs:
+        teacher_layers = teacher_forward(teacher, ids, 0, capture_teacher).layer_outputs
     hidden, student_layers = body(ids, start_hidden, prefix, tuple(s for s, _ in pairs))
     selected = mask.bool()
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]
-    teacher_targets = dense if cache is None else cache.targets(windows.tolist(), ids, mask)
+    teacher_targets = cache.targets(windows.tolist(), ids, mask) if cache is not None else dense
     loss, stats = distill_loss(
         hidden[selected],
         head_weight(student),
