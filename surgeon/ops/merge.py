@@ -204,8 +204,8 @@ class Merge(Operation):
             name: {"label": _label(name, patient, ctx), "fingerprint": _fingerprint(name, patient, ctx)}
             for _, name in _referenced(params)
         }
-        described = ", ".join(f"{sources[m.model]['label']}" for m in params.models)
-        base = f" onto {sources[params.the_base()]['label']}" if params.the_base() in sources else ""
+        described = ", ".join(_described(m.model, sources) for m in params.models)
+        base = f" onto {_described(params.the_base(), sources)}" if params.the_base() in sources else ""
         entry = Provenance(
             op=self.name,
             what=f"{params.method} merge of {described}{base}",
@@ -439,6 +439,11 @@ def _fingerprint(name: str, patient: Patient, ctx: StepContext) -> str:
     if name == PATIENT:
         return patient.fingerprint()
     return patient.base.fingerprint() if name == BASE else ctx.sources[name].fingerprint()
+
+
+def _described(name: str, sources: dict) -> str:
+    label = sources[name]["label"]
+    return label if label == name else f"{name} ({label})"
 
 
 def _with_tokenizer(patient: Patient, tokenizer) -> Patient:

@@ -1,0 +1,94 @@
+"""Merge settings tried on the two fine-tunes of recipes/merge/: perplexity on held-out Austen and
+Shakespeare and the share of each fine-tune's gain kept, one `surgeon run` per setting (merge and
+two evaluations, no export kept).
+
+    python benchmarks/merge_sweep.py [--out out] [--only ties-d0.5-norm ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from surgeon.recipe.run import run_recipe
+from surgeon.recipe.schema import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT.parent / "shared" / "data" / "text"
+HELD_OUT = {
+    "austen": {"text": str(TEXT / "austen" / "persuasion.txt"), "tokens": 8192},
+    "shakespeare": {
+        "text": [
+            str(TEXT / "shakespeare" / f"{p}.txt") for p in ("hamlet", "macbeth", "othello", "lear", "romeo_and_juliet")
+        ],
+        "tokens": 8192,
+    },
+}
+BOTH = ({"model": "austen"}, {"model": "shakespeare"})
+
+
+def _models(**values) -> list[dict]:
+    return [{**m, **values} for m in BOTH]
+
+
+SETTINGS = {
+    "linear": {"method": "linear", "models": _models(weight=0.5)},
+    "task_arithmetic-w1": {"method": "task_arithmetic", "models": _models(weight=1.0)},
+    "task_arithmetic-w0.7": {"method": "task_arithmetic", "models": _models(weight=0.7)},
+    "ties-d0.5-sum": {"method": "ties", "models": _models(weight=1.0, density=0.5), "normalize": False},
+    "ties-d0.3-norm": {"method": "ties", "models": _models(weight=1.0, density=0.3)},
+    "ties-d0.5-norm": {"method": "ties", "models": _models(weight=1.0, density=0.5)},
+    "ties-d0.7-norm": {"method": "ties", "models": _models(weight=1.0, density=0.7)},
+    "ties-d1.0-norm": {"method": "ties", "models": _models(weight=1.0, density=1.0)},
+    "dare_ties-d0.5-sum": {"method": "dare_ties", "models": _models(weight=1.0, density=0.5)},
+    "dare_ties-d0.5-norm": {"method": "dare_ties", "models": _models(weight=1.0, density=0.5), "normalize": True},
+    "dare_linear-d0.5-w0.5": {"method": "dare_linear", "models": _models(weight=0.5, density=0.5)},
+}
+
+
+def run_setting(name: str, merge: dict, out: Path, work: Path) -> dict:
+    recipe = {
+        "name": f"sweep-{name}",
+        "base": "smollm2-135m-instruct",
+        "sources": {domain: str((out / f"smollm2-ft-{domain}").resolve()) for domain in HELD_OUT},
+        "steps": [{"merge": merge}] + [{"evaluate": {"name": d, "data": data}} for d, data in HELD_OUT.items()],
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = run_recipe(load_recipe(path), out=work / name, overwrite=True)
+    ppl = {s["name"]: s["metrics"]["ppl"] for s in result.report["stages"]}
+    parent = {s["name"]: s["metrics"]["ppl_parent"] for s in result.report["stages"]}
+    return {"ppl": ppl, "parent": parent, "seconds": result.report["provenance"][0]["details"]["seconds"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out", help="where recipes/merge/finetune-*.yaml exported")
+    parser.add_argument("--only", nargs="+", choices=sorted(SETTINGS), help="these settings only")
+    args = parser.parse_args()
+    out = Path(args.out)
+    finetuned = {}
+    for domain in HELD_OUT:
+        report = json.loads((out / f"smollm2-ft-{domain}" / "report.json").read_text())
+        finetuned[domain] = next(
+            s["metrics"]["ppl"] for s in report["stages"] if s["name"] == f"held-out {domain.title()}"
+        )
+    print("| setting | ppl Austen | ppl Shakespeare | Austen gain kept | Shakespeare gain kept | merge s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory(prefix="merge-sweep-") as tmp:
+        for name in args.only or SETTINGS:
+            row = run_setting(name, SETTINGS[name], out, Path(tmp))
+            kept = [(row["parent"][d] - row["ppl"][d]) / (row["parent"][d] - finetuned[d]) for d in HELD_OUT]
+            print(
+                f"| {name} | {row['ppl']['austen']:.2f} | {row['ppl']['shakespeare']:.2f} | "
+                f"{kept[0]:.0%} | {kept[1]:.0%} | {row['seconds']:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
