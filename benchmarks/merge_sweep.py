@@ -37,8 +37,19 @@ def _models(**values) -> list[dict]:
 
 SETTINGS = {
     "linear": {"method": "linear", "models": _models(weight=0.5)},
+    "slerp-t0.5": {"method": "slerp", "base": "austen", "models": [{"model": "shakespeare"}], "t": 0.5},
     "task_arithmetic-w1": {"method": "task_arithmetic", "models": _models(weight=1.0)},
+    "task_arithmetic-w0.4": {"method": "task_arithmetic", "models": _models(weight=0.4)},
+    "task_arithmetic-w0.6": {"method": "task_arithmetic", "models": _models(weight=0.6)},
     "task_arithmetic-w0.7": {"method": "task_arithmetic", "models": _models(weight=0.7)},
+    "task_arithmetic-mlp1-rest0.5": {
+        "method": "task_arithmetic",
+        "models": _models(weight=[{"filter": "mlp", "value": 1.0}, {"value": 0.5}]),
+    },
+    "task_arithmetic-attn1-rest0.5": {
+        "method": "task_arithmetic",
+        "models": _models(weight=[{"filter": "self_attn", "value": 1.0}, {"value": 0.5}]),
+    },
     "ties-d0.5-sum": {"method": "ties", "models": _models(weight=1.0, density=0.5), "normalize": False},
     "ties-d0.3-norm": {"method": "ties", "models": _models(weight=1.0, density=0.3)},
     "ties-d0.5-norm": {"method": "ties", "models": _models(weight=1.0, density=0.5)},
@@ -48,6 +59,29 @@ SETTINGS = {
     "dare_ties-d0.5-norm": {"method": "dare_ties", "models": _models(weight=1.0, density=0.5), "normalize": True},
     "dare_linear-d0.5-w0.5": {"method": "dare_linear", "models": _models(weight=0.5, density=0.5)},
 }
+
+
+def task_vector_cosine(out: Path) -> float:
+    """cos(austen - parent, shakespeare - parent) over every weight: how much the fine-tunes moved alike."""
+    from surgeon.checkpoints.lazy_tensors import SafetensorsTensors
+    from surgeon.checkpoints.sources import resolve_source
+
+    readers = [SafetensorsTensors(resolve_source(str(out / f"smollm2-ft-{d}"), Path.cwd())) for d in HELD_OUT] + [
+        SafetensorsTensors(resolve_source("smollm2-135m-instruct", Path.cwd()))
+    ]
+    dot = norm_a = norm_b = 0.0
+    for name in readers[2].names():
+        rows = readers[2].shape(name)[0]
+        base = readers[2].rows(name, 0, rows).double()
+        a, b = (r.rows(name, 0, rows).double() - base for r in readers[:2])
+        dot, norm_a, norm_b = (
+            dot + float((a * b).sum()),
+            norm_a + float(a.square().sum()),
+            norm_b + float(b.square().sum()),
+        )
+    for reader in readers:
+        reader.close()
+    return dot / (norm_a * norm_b) ** 0.5
 
 
 def run_setting(name: str, merge: dict, out: Path, work: Path) -> dict:
@@ -77,6 +111,7 @@ def main() -> None:
         finetuned[domain] = next(
             s["metrics"]["ppl"] for s in report["stages"] if s["name"] == f"held-out {domain.title()}"
         )
+    print(f"cosine of the two task vectors (fine-tune minus parent, all weights): {task_vector_cosine(out):.3f}")
     print("| setting | ppl Austen | ppl Shakespeare | Austen gain kept | Shakespeare gain kept | merge s |")
     print("|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory(prefix="merge-sweep-") as tmp:

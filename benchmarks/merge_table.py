@@ -44,19 +44,19 @@ def main() -> None:
     parent = {domain: first[domain]["ppl_parent"] for domain in DOMAINS}
     instructions = first["instructions"]
     gains = {domain: parent[domain] - rows[FINETUNES[domain]][domain]["ppl"] for domain in DOMAINS}
-    print(
-        "| model | ppl Austen | ppl Shakespeare | Austen gain kept | Shakespeare gain kept | instructions | merge s |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | ppl Austen | ppl Shakespeare | Austen kept | Shakespeare kept | instructions | merge s | peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     parent_check = f"{instructions['parent_correct']}/{instructions['total']}" if instructions else "—"
-    print(f"| parent | {parent['austen']:.2f} | {parent['shakespeare']:.2f} | | | {parent_check} | |")
+    print(f"| parent | {parent['austen']:.2f} | {parent['shakespeare']:.2f} | | | {parent_check} | | |")
     for name, row in rows.items():
         kept = [(parent[d] - row[d]["ppl"]) / gains[d] for d in DOMAINS]
         check = f"{row['instructions']['correct']}/{row['instructions']['total']}" if row["instructions"] else "—"
         seconds = f"{row['merge']['seconds']:.1f}" if row["merge"] else ""
+        # the process's peak when the merge finished: the loaded parent, the sources' rows, the result
+        peak = f"{row['merge']['peak_rss_bytes'] / 2**20:,.0f} MiB" if row["merge"] else ""
         print(
             f"| {name} | {row['austen']['ppl']:.2f} | {row['shakespeare']['ppl']:.2f} | "
-            f"{kept[0]:.0%} | {kept[1]:.0%} | {check} | {seconds} |"
+            f"{kept[0]:.0%} | {kept[1]:.0%} | {check} | {seconds} | {peak} |"
         )
 
 

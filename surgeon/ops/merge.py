@@ -172,13 +172,15 @@ class Merge(Operation):
         ctx.facts["vocabulary_checked"] = True
         largest = max(shape.numel() for shape in meta.values())
         result = architecture.shape_of(state.config, state.dtype).bytes
-        working = 5 * largest * 4 + (len(params.models) + 3) * CHUNK_ELEMENTS * 4
+        # Row blocks of every source at once; TIES also holds whole tensors to find its threshold.
+        whole = 5 * largest * 4 if method.sparsify == "magnitude" else 0
+        working = whole + (len(params.models) + 4) * min(CHUNK_ELEMENTS, largest) * 4
         ctx.facts["expected_bytes"] = result + working
         base = f" onto {params.the_base()}" if method.uses_base else ""
         note = (
             f"{params.method} of {', '.join(m.model for m in params.models)}{base}, tensor by tensor: "
-            f"needs {_mib(result)} for the result + {_mib(working)} working beyond the models in memory, "
-            "whatever the number of sources"
+            f"needs {_mib(result)} for the result + {_mib(working)} working beyond the models in memory "
+            f"({_mib(min(CHUNK_ELEMENTS, largest) * 4)} more per added source)"
         )
         return ModelState(state.config, state.dtype), note
 

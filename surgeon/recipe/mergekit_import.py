@@ -71,7 +71,9 @@ class _Translation:
         """As the recipe must write it: aliases and Hub ids as they are, folders relative to the recipe."""
         if reference in ALIASES:
             return reference
-        candidate = Path(os.path.abspath((self.path.parent / reference).expanduser()))  # links kept as named
+        if Path(reference).expanduser().is_absolute():
+            return reference  # as the user wrote it
+        candidate = Path(os.path.abspath(self.path.parent / reference))  # links kept as named
         if candidate.exists():
             try:
                 return os.path.relpath(candidate, self.recipe_dir)
