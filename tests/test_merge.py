@@ -134,7 +134,9 @@ def test_dare_ties_at_density_one_is_ties_without_trimming(tmp_path, trio):
 
 def test_tensors_outside_the_globs_come_from_the_base(tmp_path, trio):
     merged, _ = _merge(
-        tmp_path, trio, "method: task_arithmetic\nmodels: [{model: a, weight: 1}]\ntensors: ['model.layers.*.mlp']"
+        tmp_path,
+        trio,
+        "method: task_arithmetic\nmodels: [{model: a, weight: 1}]\ntensors: ['model.layers.*.mlp']\ntokenizer: a",
     )
     base, a = state_of(trio["base"]), state_of(trio["a"])
     for name, tensor in merged.items():

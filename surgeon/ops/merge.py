@@ -168,8 +168,7 @@ class Merge(Operation):
             bad = unmatched_patterns(meta, params.tensors)
             if bad:
                 raise ParamError(("tensors",), f"{bad} match no tensor of the model (e.g. {next(iter(meta))})")
-        _check_vocabularies(params, ctx, names)
-        ctx.facts["vocabulary_checked"] = True
+        ctx.facts["vocabulary_checked"] = _check_vocabularies(names, ctx)
         largest = max(shape.numel() for shape in meta.values())
         result = architecture.shape_of(state.config, state.dtype).bytes
         # Row blocks of every source at once; TIES also holds whole tensors to find its threshold.
@@ -186,8 +185,8 @@ class Merge(Operation):
 
     def apply(self, params: MergeParams, patient: Patient, ctx: StepContext) -> Patient:
         started = time.perf_counter()
-        if not ctx.facts.get("vocabulary_checked"):
-            _check_vocabularies(params, ctx, _referenced(params), patient.tokenizer)
+        checked = ctx.facts.get("vocabulary_checked", set())
+        _check_vocabularies([n for n in _referenced(params) if n[1] not in checked], ctx, patient.tokenizer)
         out_state = patient.model.state_dict()
         readers = {}
         try:
@@ -200,7 +199,9 @@ class Merge(Operation):
                 reader.close()
         config = architecture.clean_config(patient.model.config)
         child = architecture.assemble(config, tensors, patient.model.generation_config)
-        tokenizer = patient.tokenizer if params.tokenizer in (None, PATIENT) else _tokenizer_of(params.tokenizer, ctx)
+        tokenizer = patient.tokenizer
+        if params.tokenizer not in (None, PATIENT):
+            tokenizer = ctx.sources[params.tokenizer].load_tokenizer()
         seconds = time.perf_counter() - started
         sources = {
             name: {"label": _label(name, patient, ctx), "fingerprint": _fingerprint(name, patient, ctx)}
@@ -382,31 +383,34 @@ def _meta_state(config) -> dict[str, torch.Size]:
     return {name: tensor.shape for name, tensor in model.state_dict().items()}
 
 
-def _check_vocabularies(params: MergeParams, ctx: StepContext, names, patient_tokenizer=None) -> None:
+def _check_vocabularies(names, ctx: StepContext, patient_tokenizer=None) -> set[str]:
     """Identical vocabularies merge directly; otherwise stop before any weight is read, naming the
-    first token that differs. Sources not yet converted from GGUF are compared at apply."""
-    reference_name = BASE
-    reference = patient_tokenizer or _tokenizer_of(BASE, ctx)
+    first token that differs. At plan (no `patient_tokenizer`), a source still to be converted from
+    GGUF is left for apply; returns the names compared."""
+    reference = patient_tokenizer or _tokenizer_of(BASE, ctx, convert=False)
+    checked: set[str] = set()
     if reference is None:
-        return
+        return checked
     for where, name in names:
         if name in (PATIENT, BASE):
             continue
-        other = _tokenizer_of(name, ctx)
+        other = _tokenizer_of(name, ctx, convert=patient_tokenizer is not None)
         if other is None:
             continue
         difference = vocabulary_difference(reference, other)
         if difference:
             raise ParamError(
                 where,
-                f"'{name}' has another vocabulary than '{reference_name}' ({difference}); "
+                f"'{name}' has another vocabulary than the base ({difference}); "
                 "a merge adds embedding rows of the same token only",
             )
+        checked.add(name)
+    return checked
 
 
-def _tokenizer_of(name: str, ctx: StepContext):
+def _tokenizer_of(name: str, ctx: StepContext, convert: bool):
     source = ctx.sources[name]
-    if source.kind != "folder" and source._converted_folder() is None:
+    if not convert and source.kind != "folder" and source._converted_folder() is None:
         return None
     return source.load_tokenizer()
 
