@@ -53,3 +53,13 @@ def test_the_fingerprint_follows_the_revision(hub_cache, tmp_path):
     shutil.copytree(hub_cache, newer)
     (hub_cache.parent.parent / "refs" / "main").write_text(newer.name)
     assert resolve_source("tiny-org/tiny-llama", tmp_path).fingerprint() != before
+
+
+def test_a_snapshot_holding_only_the_config_is_not_taken_for_the_model(hub_cache, tmp_path):
+    for file in hub_cache.iterdir():
+        if file.name != "config.json":
+            file.unlink()  # as after `plan`, which fetches config.json alone
+    source = resolve_source("tiny-org/tiny-llama", tmp_path)
+    assert source.config.num_hidden_layers == 6
+    with pytest.raises(SourceError, match="could not be fetched"):
+        source.folder()  # offline: the weights are missing, so it must try to fetch them

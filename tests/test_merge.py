@@ -202,3 +202,18 @@ def test_merge_recipe_runs_through_the_cli_with_a_summary(tmp_path, trio, capsys
     printed = capsys.readouterr()
     assert code == 0, printed.err[-2000:]
     assert printed.out.splitlines()[-1].startswith("exported")
+
+
+def test_the_trim_keeps_exactly_the_density_share_even_among_equal_magnitudes():
+    from surgeon.surgery.merge import magnitude_trim
+
+    delta = torch.tensor([[0.5, -0.5, 0.5, 0.25], [0.5, -0.5, 0.125, 0.5], [0.5, 0.0, -0.5, 0.5]])
+    trim = magnitude_trim(delta, 0.5)  # 6 of 12 kept, though 8 share the largest magnitude
+    kept = torch.cat([trim(delta[:1]), trim(delta[1:2]), trim(delta[2:])])  # applied a row block at a time
+    assert int((kept != 0).sum()) == 6
+    assert torch.equal(kept[kept != 0], delta[delta.abs() == 0.5][:6])  # the first ones, in row-major order
+
+
+def test_a_model_listed_twice_is_refused(tmp_path, trio):
+    message = _plan_error(tmp_path, trio, "method: ties\nmodels: [{model: a}, {model: b}, {model: a}]")
+    assert "'a' is listed twice" in message and "bad.yaml:9" in message

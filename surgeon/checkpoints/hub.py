@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from ..errors import SourceError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-WANTED_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+# Code files come too: they only run for a source whose recipe sets trust_remote_code.
+WANTED_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.py"]
 
 
 def looks_like_hub_id(spec: str) -> bool:
@@ -31,7 +33,20 @@ def hub_snapshot(repo_id: str, download: bool) -> Path | None:
         raise SourceError(_unreachable(repo_id, str(exc).splitlines()[0])) from None
     if not (folder / "config.json").is_file():
         return None if not download else _missing(repo_id, folder)
+    if not _complete(folder):  # only the config was fetched so far (plan reads it alone)
+        if not download:
+            return None
+        raise SourceError(_unreachable(repo_id, "the local copy has no weights and the Hub did not send them"))
     return folder
+
+
+def _complete(folder: Path) -> bool:
+    """Every weight file is there: all shards an index names, else at least one safetensors file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return all((folder / shard).is_file() for shard in shards)
+    return any(folder.glob("*.safetensors"))
 
 
 def hub_config_folder(repo_id: str) -> Path:

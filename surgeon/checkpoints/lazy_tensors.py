@@ -29,7 +29,8 @@ class StateTensors:
         return tuple(self._state[name].shape)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._state[name][start:stop].float()
+        tensor = self._state[name]
+        return (tensor.reshape(1) if tensor.dim() == 0 else tensor)[start:stop].float()
 
     def close(self) -> None:
         pass
@@ -44,11 +45,18 @@ class SafetensorsTensors:
         self.label = source.label
         self._entries: dict[str, tuple[int, torch.dtype, tuple[int, ...], int]] = {}  # fd, dtype, shape, offset
         self._fds: list[int] = []
-        for file in Source._weight_files(source.folder()):
-            fd = os.open(file, os.O_RDONLY)
-            self._fds.append(fd)
-            for name, (dtype, shape, offset) in read_header(fd, file).items():
-                self._entries[name] = (fd, dtype, shape, offset)
+        try:
+            for file in Source._weight_files(source.folder()):
+                fd = os.open(file, os.O_RDONLY)
+                self._fds.append(fd)
+                for name, (dtype, shape, offset) in read_header(fd, file).items():
+                    self._entries[name] = (fd, dtype, shape, offset)
+        except OSError as exc:
+            self.close()
+            raise SourceError(f"source '{self.label}': cannot read its weights: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
         wanted = set(source.tensor_shapes()) if source.modules else None
         self._names = [n for n in self._entries if wanted is None or n in wanted]
 
@@ -75,7 +83,7 @@ class SafetensorsTensors:
             if n <= 0:
                 raise SourceError(f"source '{self.label}': {name} is cut short in its file")
             read += n
-        return out.view((stop - start, *shape[1:]) if shape else ()).float()
+        return out.view((stop - start, *shape[1:])).float()
 
     def close(self) -> None:
         for fd in self._fds:

@@ -143,6 +143,11 @@ class Merge(Operation):
         names = _referenced(params)
         for where, name in names:
             _check_compatible(name, state, ctx, where)
+        seen = set()
+        for index, model in enumerate(params.models):
+            if model.model in seen:
+                raise ParamError(("models", index, "model"), f"'{model.model}' is listed twice: give it one weight")
+            seen.add(model.model)
         contributors = params.contributors()
         if params.method == "slerp":
             if len(contributors) != 1:
@@ -159,8 +164,11 @@ class Merge(Operation):
             raise ParamError(("models",), "a linear merge averages two or more models")
         if params.method != "slerp" and params.t is not None:
             raise ParamError(("t",), f"`t` is slerp's; {params.method} weighs models by `weight`")
-        if not method.sparsify and (params.density is not None or any(m.density is not None for m in params.models)):
-            raise ParamError(("density",), f"{params.method} keeps every delta entry: density is for ties and dare_*")
+        if not method.sparsify:
+            given = [("density",)] if params.density is not None else []
+            given += [("models", i, "density") for i, m in enumerate(params.models) if m.density is not None]
+            if given:
+                raise ParamError(given[0], f"{params.method} keeps every delta entry: density is for ties and dare_*")
         if params.tokenizer is not None:
             _check_known(params.tokenizer, ctx, ("tokenizer",))
         meta = _meta_state(state.config)
@@ -168,7 +176,7 @@ class Merge(Operation):
             bad = unmatched_patterns(meta, params.tensors)
             if bad:
                 raise ParamError(("tensors",), f"{bad} match no tensor of the model (e.g. {next(iter(meta))})")
-        ctx.facts["vocabulary_checked"] = _check_vocabularies(names, ctx)
+        ctx.facts["vocabulary_checked"] = _check_vocabularies(_with_tokenizer_source(params, names), ctx)
         largest = max(shape.numel() for shape in meta.values())
         result = architecture.shape_of(state.config, state.dtype).bytes
         # Row blocks of every source at once; TIES also holds whole tensors to find its threshold.
@@ -186,7 +194,8 @@ class Merge(Operation):
     def apply(self, params: MergeParams, patient: Patient, ctx: StepContext) -> Patient:
         started = time.perf_counter()
         checked = ctx.facts.get("vocabulary_checked", set())
-        _check_vocabularies([n for n in _referenced(params) if n[1] not in checked], ctx, patient.tokenizer)
+        unchecked = [n for n in _with_tokenizer_source(params, _referenced(params)) if n[1] not in checked]
+        _check_vocabularies(unchecked, ctx, patient.tokenizer)
         out_state = patient.model.state_dict()
         readers = {}
         try:
@@ -250,7 +259,7 @@ def _merge_all(params: MergeParams, out_state: dict, readers: dict, layers: int)
     merged: dict[str, torch.Tensor] = {}
     for name in tqdm([n for n in out_state if aliases[n] == n], desc="merge", unit="tensor", leave=False):
         split = architecture.split_layer_name(name)
-        t = split[0] / max(layers - 1, 1) if split else 0.0
+        t = (split[0] / (layers - 1) if layers > 1 else 1.0) if split else 0.0  # mergekit: a lone layer is at t 1
         target = out_state[name]
         if params.tensors and not matches(name, params.tensors):
             keep = params.the_base() or params.models[0].model
@@ -266,7 +275,10 @@ def _merge_all(params: MergeParams, out_state: dict, readers: dict, layers: int)
 def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor:
     method = merge.METHODS[params.method]
     out = torch.empty(target.shape, dtype=target.dtype)
-    rows = target.shape[0] if target.dim() else 1
+    if target.dim() == 0:  # a scalar merges as a one-row tensor
+        flat = _merge_tensor(params, name, t, target.reshape(1), readers, stored_name)
+        return flat.reshape(())
+    rows = target.shape[0]
     step = max(1, CHUNK_ELEMENTS // max(1, target.numel() // max(rows, 1)))
     blocks = [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
@@ -286,16 +298,19 @@ def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor
         stats = merge.SlerpStats()
         for start, stop in blocks:
             stats.add(read(base, start, stop), read(other, start, stop))
-        ca, cb = stats.coefficients(setting_value(params.t, name, t))
+        position = setting_value(params.t, name, t)
+        if position is None:
+            raise ParamError(("t",), f"no `t` applies to {name}: end the list with a value without a filter")
+        ca, cb = stats.coefficients(position)
         for start, stop in blocks:
             out[start:stop] = ca * read(base, start, stop) + cb * read(other, start, stop)
         return out
     densities = [_value(m.density, params.density, name, t, 1.0) for m in contributors]
-    thresholds = [None] * len(contributors)
+    trims = [None] * len(contributors)
     if method.sparsify == "magnitude":  # TIES trims against the whole tensor's magnitudes
         full_base = read(base, 0, rows)
         for i, m in enumerate(contributors):
-            thresholds[i] = merge.magnitude_threshold(read(m.model, 0, rows) - full_base, densities[i])
+            trims[i] = merge.magnitude_trim(read(m.model, 0, rows) - full_base, densities[i])
         del full_base
     generators = [_generator(params.seed, name, i) for i in range(len(contributors))]
     for start, stop in blocks:
@@ -303,8 +318,8 @@ def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor
         deltas = []
         for i, m in enumerate(contributors):
             delta = read(m.model, start, stop) - base_chunk
-            if method.sparsify == "magnitude":
-                delta = merge.trim(delta, thresholds[i])
+            if method.sparsify == "magnitude" and trims[i] is not None:
+                delta = trims[i](delta)
             elif method.sparsify == "random":
                 delta = merge.drop_and_rescale(delta, densities[i], generators[i])
             deltas.append(delta)
@@ -328,7 +343,7 @@ def _generator(seed: int, name: str, index: int) -> torch.Generator:
 
 def _copy(reader, name: str, target: torch.Tensor) -> torch.Tensor:
     rows = target.shape[0] if target.dim() else 1
-    return reader.rows(name, 0, rows).to(target.dtype).clone()
+    return reader.rows(name, 0, rows).to(target.dtype).reshape(target.shape).clone()
 
 
 def _check_shapes(out_state: dict, readers: dict, stored_name, aliases: dict) -> None:
@@ -351,6 +366,13 @@ def _referenced(params: MergeParams) -> list[tuple[tuple, str]]:
     if base is not None and base not in [m.model for m in params.models]:
         out.append((("base",), base))
     return out
+
+
+def _with_tokenizer_source(params: MergeParams, names: list) -> list:
+    """The models read, plus the source whose tokenizer the result takes: its vocabulary must match too."""
+    if params.tokenizer in (None, PATIENT, BASE) or params.tokenizer in [n for _, n in names]:
+        return names
+    return [*names, (("tokenizer",), params.tokenizer)]
 
 
 def _check_known(name: str, ctx: StepContext, where: tuple) -> None:
@@ -484,7 +506,11 @@ def mergekit_config(params: MergeParams, sources: dict, dtype: str) -> dict:
     parameters = {k: v for k, v in global_values.items() if v is not None}
     if parameters:
         config["parameters"] = parameters
+    if params.tokenizer not in (None, PATIENT):
+        config["tokenizer_source"] = sources.get(params.tokenizer, {}).get("label", params.tokenizer)
     config["dtype"] = dtype
+    if params.tensors:  # mergekit has no such key: say so rather than describe another merge
+        config["surgeon_only"] = {"tensors": params.tensors, "note": "the other tensors are the base's"}
     return config
 
 

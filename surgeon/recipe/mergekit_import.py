@@ -5,7 +5,8 @@ dare_linear, dare_ties become a `merge` step), `slices` of one model each (passt
 `stack` step), `base_model`, global, per-slice and per-model `parameters` (numbers, gradients and
 filtered values keep their meaning), `dtype` / `out_dtype` (the export's dtype) and
 `tokenizer_source` (base or one of the models). Anything else is an error at its file:line rather
-than a recipe that quietly means something else.
+than a recipe that quietly means something else; where surgeon differs in a detail (passthrough's
+head taken with the embeddings, DARE's rescale), the recipe starts with a note saying so.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class _Translation:
                 if extra or "value" not in cond:
                     self.problem(where + (index,), "a conditional value is {filter: NAME, value: NUMBER or [gradient]}")
                     continue
+                name = cond.get("filter")
+                if name not in (None, "*") and any(c in str(name) for c in "*?["):
+                    # mergekit reads a filter as a plain substring; surgeon would read this one as a glob
+                    self.problem(where + (index, "filter"), "with *, ? or [ it is a glob to surgeon, text to mergekit")
+                    continue
                 item = {"filter": cond["filter"]} if cond.get("filter") is not None else {}
                 item["value"] = self.setting(cond["value"], where + (index, "value"))
                 out.append(item)
@@ -119,8 +125,14 @@ class _Translation:
                 self.notes.append("int8_mask (a memory option of mergekit's) is dropped: surgeon merges in row blocks")
                 continue
             if key == "rescale":
-                if value is not True:
-                    self.problem(where + (key,), "surgeon's DARE always rescales the kept entries by 1 / density")
+                if value is not True or not str(self.data.get("merge_method", "")).startswith("dare"):
+                    self.problem(
+                        where + (key,),
+                        "rescale does not map: surgeon's DARE always rescales the kept entries by 1 / density, "
+                        "and no other method rescales",
+                    )
+                else:
+                    self.notes.append("rescale: surgeon scales DARE's kept entries by 1 / density (mergekit: L1 norm)")
                 continue
             if key not in allowed:
                 self.problem(where + (key,), f"'{key}' does not map (surgeon's merge parameters: {', '.join(allowed)})")
@@ -209,7 +221,8 @@ def _merge_step(tr: _Translation, method: str, base_ref: str | None) -> dict:
         if extra:
             tr.problem(("slices", 0), f"a slice is {{sources, parameters}} (got {sorted(extra)})")
             return {}
-        step_values |= tr.parameters(piece.get("parameters"), STEP_PARAMETERS, ("slices", 0, "parameters"))
+        for key, value in tr.parameters(piece.get("parameters"), STEP_PARAMETERS, ("slices", 0, "parameters")).items():
+            step_values[key] = _with_fallback(value, step_values.get(key))
         if piece.get("base_model") is not None:
             base_ref = tr.reference(piece["base_model"], ("slices", 0, "base_model"))
         ranges = set()
@@ -225,7 +238,11 @@ def _merge_step(tr: _Translation, method: str, base_ref: str | None) -> dict:
             tr.problem(("slices", 0), "the sources must share one layer_range from 0 (the whole model)")
             return {}
         _check_full_depth(tr, models, next(iter(ranges))[1])
-    for ref, _, _ in models:
+    listed = set()
+    for ref, _, where in models:
+        if ref in listed:
+            tr.problem(where, f"{ref} is listed twice (mergekit counts it once): list it once")
+        listed.add(ref)
         tr.source_name(ref)
     if base_ref is not None:
         tr.source_name(base_ref)
@@ -254,6 +271,18 @@ def _merge_step(tr: _Translation, method: str, base_ref: str | None) -> dict:
     return {"merge": step}
 
 
+def _with_fallback(value, fallback):
+    """A slice's value, falling back to the config's global one where none of its filters applies
+    (mergekit reads the slice first, then the globals)."""
+    if fallback is None or not (isinstance(value, list) and value and isinstance(value[0], dict)):
+        return value
+    if any("filter" not in cond for cond in value):
+        return value  # the slice has its own catch-all
+    return value + (
+        fallback if isinstance(fallback, list) and fallback and isinstance(fallback[0], dict) else [{"value": fallback}]
+    )
+
+
 def _check_full_depth(tr: _Translation, models: list, end: int) -> None:
     """A slice [0, end) means the whole model only if the model has `end` layers: checked where the
     model's config can be read here (aliases, folders); a Hub id is trusted and noted."""
@@ -262,7 +291,10 @@ def _check_full_depth(tr: _Translation, models: list, end: int) -> None:
 
     for ref, _, where in models:
         try:
-            layers = resolve_source(tr.location(ref), tr.recipe_dir).config.num_hidden_layers
+            source = resolve_source(tr.location(ref), tr.recipe_dir)
+            if source.kind == "hub" and source._converted_folder() is None:
+                raise SourceError("not fetched")  # not worth a download to translate a file
+            layers = source.config.num_hidden_layers
         except SourceError:
             tr.notes.append(f"{ref}'s layer count could not be read here: the slice [0, {end}) is taken as all of it")
             continue

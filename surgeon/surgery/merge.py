@@ -2,7 +2,7 @@
 
 The merge step streams each tensor through here a block of rows at a time, so nothing is ever held
 for all sources at once. What needs the whole tensor is measured first, in a pass of its own: the
-magnitude threshold TIES trims at (`magnitude_threshold`) and the norms and dot product SLERP
+magnitude threshold TIES trims at (`magnitude_trim`) and the norms and dot product SLERP
 turns by (`SlerpStats`). Every function here takes and returns float32 tensors.
 
 References: model soups (Wortsman et al. 2022) for linear; task arithmetic (Ilharco et al. 2023);
@@ -95,23 +95,37 @@ class SlerpStats:
         return math.sin((1.0 - t) * theta) / sin_theta, math.sin(t * theta) / sin_theta
 
 
-def magnitude_threshold(delta: torch.Tensor, density: float) -> float | None:
-    """The smallest |delta| TIES keeps when it keeps the `density` share of largest entries; None
-    keeps everything (density 1), +inf nothing."""
+@dataclass
+class Trim:
+    """TIES's trim of one tensor, applied a row block at a time: keep every |delta| above
+    `threshold`, and of those equal to it only the first `ties` in row-major order, so exactly the
+    `density` share is kept even where low-precision weights make many magnitudes equal."""
+
+    threshold: float
+    ties: int
+
+    def __call__(self, delta: torch.Tensor) -> torch.Tensor:
+        magnitude = delta.abs()
+        keep = magnitude > self.threshold
+        equal = (magnitude == self.threshold).flatten()
+        if self.ties > 0 and equal.any():
+            taken = equal & (equal.cumsum(0) <= self.ties)
+            self.ties -= int(taken.sum())
+            keep |= taken.view_as(keep)
+        return delta * keep
+
+
+def magnitude_trim(delta: torch.Tensor, density: float) -> Trim | None:
+    """The trim that keeps the `density` share of `delta`'s largest magnitudes (None: all of them)."""
     if density >= 1.0:
         return None
     keep = int(density * delta.numel())
     if keep <= 0:
-        return math.inf
+        return Trim(math.inf, 0)
     flat = delta.abs().flatten()
-    return float(torch.kthvalue(flat, flat.numel() - keep + 1).values)
-
-
-def trim(delta: torch.Tensor, threshold: float | None) -> torch.Tensor:
-    """TIES's trim: zero every entry of |delta| below the tensor's threshold."""
-    if threshold is None:
-        return delta
-    return delta * (delta.abs() >= threshold)
+    threshold = float(torch.kthvalue(flat, flat.numel() - keep + 1).values)
+    above = int((flat > threshold).sum())
+    return Trim(threshold, keep - above)
 
 
 def drop_and_rescale(delta: torch.Tensor, density: float, generator: torch.Generator) -> torch.Tensor:
