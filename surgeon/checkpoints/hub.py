@@ -32,7 +32,9 @@ def hub_snapshot(repo_id: str, download: bool) -> Path | None:
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise SourceError(_unreachable(repo_id, str(exc).splitlines()[0])) from None
     if not (folder / "config.json").is_file():
-        return None if not download else _missing(repo_id, folder)
+        if not download:
+            return None
+        raise SourceError(f"Hub model '{repo_id}' has no config.json (fetched to {folder}): not a transformers model")
     if not _complete(folder):  # only the config was fetched so far (plan reads it alone)
         if not download:
             return None
@@ -58,10 +60,6 @@ def hub_config_folder(repo_id: str) -> Path:
         return Path(hf_hub_download(repo_id, "config.json")).parent
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise SourceError(_unreachable(repo_id, str(exc).splitlines()[0])) from None
-
-
-def _missing(repo_id: str, folder: Path):
-    raise SourceError(f"Hub model '{repo_id}' has no config.json (fetched to {folder}): not a transformers model")
 
 
 def _unreachable(repo_id: str, why: str) -> str:

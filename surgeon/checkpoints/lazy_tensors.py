@@ -12,6 +12,7 @@ import struct
 import torch
 
 from ..errors import SourceError
+from ..surgery.selection import select
 from .sources import Source
 
 
@@ -46,7 +47,7 @@ class SafetensorsTensors:
         self._entries: dict[str, tuple[int, torch.dtype, tuple[int, ...], int]] = {}  # fd, dtype, shape, offset
         self._fds: list[int] = []
         try:
-            for file in Source._weight_files(source.folder()):
+            for file in source.weight_files():
                 fd = os.open(file, os.O_RDONLY)
                 self._fds.append(fd)
                 for name, (dtype, shape, offset) in read_header(fd, file).items():
@@ -57,8 +58,7 @@ class SafetensorsTensors:
         except BaseException:
             self.close()
             raise
-        wanted = set(source.tensor_shapes()) if source.modules else None
-        self._names = [n for n in self._entries if wanted is None or n in wanted]
+        self._names = select(self._entries, source.modules) if source.modules else list(self._entries)
 
     def names(self) -> list[str]:
         return list(self._names)

@@ -65,7 +65,7 @@ class Source:
 
     @cached_property
     def config(self) -> PretrainedConfig:
-        folder = self._converted_folder()
+        folder = self.local_folder()
         try:
             if folder is None and self.kind == "hub":
                 folder = hub_config_folder(self.location)
@@ -83,7 +83,7 @@ class Source:
     def tensor_shapes(self, subset: bool = True) -> dict[str, tuple[int, ...]]:
         """Tensor names and shapes from the safetensors headers, restricted to `modules` if `subset`."""
         shapes: dict[str, tuple[int, ...]] = {}
-        for file in self._weight_files(self.folder()):
+        for file in self.weight_files():
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     shapes[name] = tuple(handle.get_slice(name).get_shape())
@@ -96,7 +96,7 @@ class Source:
         if self.kind == "alias":
             key = f"alias:{self.location}:{self.alias.version()}"
         elif self.kind == "hub":
-            snapshot = self._converted_folder()
+            snapshot = self.local_folder()
             key = f"hub:{self.location}:{snapshot.name if snapshot else 'not fetched'}"
         else:
             path = Path(self.location)
@@ -108,7 +108,7 @@ class Source:
 
     def folder(self) -> Path:
         """A local Hugging Face folder with safetensors weights (a GGUF is converted on first use)."""
-        converted = self._converted_folder()
+        converted = self.local_folder()
         if converted is not None:
             return converted
         if self.kind == "hub":
@@ -163,7 +163,7 @@ class Source:
         """Read only the named tensors (as `dtype`), without building a model."""
         wanted = set(names)
         tensors: dict[str, torch.Tensor] = {}
-        for file in self._weight_files(self.folder()):
+        for file in self.weight_files():
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     if name in wanted:
@@ -189,13 +189,19 @@ class Source:
         digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
         return cache_dir("models") / f"{path.stem}-{digest}"
 
-    def _converted_folder(self) -> Path | None:
+    def local_folder(self) -> Path | None:
+        """The source's folder if it is on disk already (a folder, a GGUF converted before, a Hub
+        snapshot with its weights), without converting or downloading anything; else None."""
         if self.kind == "folder":
             return Path(self.location)
         if self.kind == "hub":
             return hub_snapshot(self.location, download=False)
         target = self._conversion_target()
         return target if (target / "config.json").is_file() else None
+
+    def weight_files(self) -> list[Path]:
+        """The safetensors files of the model (every shard, in order); converts or fetches if needed."""
+        return self._weight_files(self.folder())
 
     @staticmethod
     def _weight_files(folder: Path) -> list[Path]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from pydantic import ConfigDict
 
 from ..errors import ParamError
@@ -83,10 +82,7 @@ class Heal(Operation):
             for i, source in enumerate(params.data.sources)
             if source.kind == "self_distill"
         ]
-        with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
-            meta_model = AutoModelForCausalLM.from_config(state.config)
+        meta_model = architecture.meta_model(state.config)
         counts = check_trainable(_with_indexers(params.train, meta_model), meta_model, ("train",))
         ctx.facts["trainable"] = counts
         share = counts["trainable"] / counts["total"]

@@ -193,15 +193,15 @@ class Merge(Operation):
 
     def apply(self, params: MergeParams, patient: Patient, ctx: StepContext) -> Patient:
         started = time.perf_counter()
+        names = [name for _, name in _referenced(params)]
         checked = ctx.facts.get("vocabulary_checked", set())
         unchecked = [n for n in _with_tokenizer_source(params, _referenced(params)) if n[1] not in checked]
         _check_vocabularies(unchecked, ctx, patient.tokenizer)
         out_state = patient.model.state_dict()
         readers = {}
         try:
-            for _, name in _referenced(params):
-                if name not in readers:
-                    readers[name] = _reader(name, patient, ctx)
+            for name in dict.fromkeys(names):
+                readers[name] = _reader(name, patient, ctx)
             tensors = _merge_all(params, out_state, readers, patient.model.config.num_hidden_layers)
         finally:
             for reader in readers.values():
@@ -214,7 +214,7 @@ class Merge(Operation):
         seconds = time.perf_counter() - started
         sources = {
             name: {"label": _label(name, patient, ctx), "fingerprint": _fingerprint(name, patient, ctx)}
-            for _, name in _referenced(params)
+            for name in names
         }
         described = ", ".join(_described(m.model, sources) for m in params.models)
         base = f" onto {_described(params.the_base(), sources)}" if params.the_base() in sources else ""
@@ -273,11 +273,10 @@ def _merge_all(params: MergeParams, out_state: dict, readers: dict, layers: int)
 
 
 def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor:
+    if target.dim() == 0:  # a scalar merges as a one-row tensor
+        return _merge_tensor(params, name, t, target.reshape(1), readers, stored_name).reshape(())
     method = merge.METHODS[params.method]
     out = torch.empty(target.shape, dtype=target.dtype)
-    if target.dim() == 0:  # a scalar merges as a one-row tensor
-        flat = _merge_tensor(params, name, t, target.reshape(1), readers, stored_name)
-        return flat.reshape(())
     rows = target.shape[0]
     step = max(1, CHUNK_ELEMENTS // max(1, target.numel() // max(rows, 1)))
     blocks = [(start, min(start + step, rows)) for start in range(0, rows, step)]
@@ -397,12 +396,7 @@ def _check_compatible(name: str, state: ModelState, ctx: StepContext, where: tup
 
 
 def _meta_state(config) -> dict[str, torch.Size]:
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: tensor.shape for name, tensor in model.state_dict().items()}
+    return {name: tensor.shape for name, tensor in architecture.meta_model(config).state_dict().items()}
 
 
 def _check_vocabularies(names, ctx: StepContext, patient_tokenizer=None) -> set[str]:
@@ -432,7 +426,7 @@ def _check_vocabularies(names, ctx: StepContext, patient_tokenizer=None) -> set[
 
 def _tokenizer_of(name: str, ctx: StepContext, convert: bool):
     source = ctx.sources[name]
-    if not convert and source.kind != "folder" and source._converted_folder() is None:
+    if not convert and source.local_folder() is None:
         return None
     return source.load_tokenizer()
 

@@ -27,6 +27,7 @@ from ..errors import ParamError
 from ..measure.metrics import compare_to_parent, parent_reference
 from ..recipe.patient import Patient, Provenance, Quantization, Stage
 from ..recipe.step import ModelState, Operation, StepContext, register
+from ..surgery import architecture
 from ..surgery.quantize import (
     QuantFormat,
     input_hessians,
@@ -125,10 +126,7 @@ class Quantize(Operation):
                 f"quantize writes compressed-tensors, which needs a standard transformers decoder; "
                 f"'{config.model_type}' is not one (quantize before sparse_attention or graft_vision)",
             )
-        with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
-            widths = linear_inputs(AutoModelForCausalLM.from_config(config))
+        widths = linear_inputs(architecture.meta_model(config))
         names = list(widths)
         missing = unmatched_patterns([n for n in names if n != "lm_head"], params.modules)
         if missing:

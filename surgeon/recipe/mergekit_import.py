@@ -21,7 +21,7 @@ import yaml
 from ..checkpoints.aliases import ALIASES
 from ..errors import RecipeError
 from .step import BASE, PATIENT
-from .yaml_lines import LineMap, load_yaml_file
+from .yaml_lines import LineMap, format_path, load_yaml_file
 
 MERGE_METHODS = ("linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties")
 KNOWN_KEYS = ("models", "slices", "merge_method", "base_model", "dtype", "out_dtype", "parameters", "tokenizer_source")
@@ -40,8 +40,7 @@ class _Translation:
         self.notes: list[str] = []
 
     def problem(self, where: tuple, message: str) -> None:
-        shown = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in where).replace(".[", "[")
-        self.problems.append(f"{self.lines.where(where)}: {shown or '(top level)'}: {message}")
+        self.problems.append(f"{self.lines.where(where)}: {format_path(where)}: {message}")
 
     # --- models ------------------------------------------------------------------------------
 
@@ -292,7 +291,7 @@ def _check_full_depth(tr: _Translation, models: list, end: int) -> None:
     for ref, _, where in models:
         try:
             source = resolve_source(tr.location(ref), tr.recipe_dir)
-            if source.kind == "hub" and source._converted_folder() is None:
+            if source.kind == "hub" and source.local_folder() is None:
                 raise SourceError("not fetched")  # not worth a download to translate a file
             layers = source.config.num_hidden_layers
         except SourceError:

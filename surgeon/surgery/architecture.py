@@ -150,6 +150,12 @@ def strip_loading_artefacts(config: PretrainedConfig) -> None:
     config._name_or_path = ""
 
 
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model `config` describes on the meta device: names and shapes, no memory, no weights read."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def assemble(
     config: PretrainedConfig,
     tensors: dict[str, torch.Tensor],
