@@ -11,9 +11,14 @@ Bench, for SmolLM2-135M-Instruct (the embedded parent):
   - GGUF files written by `surgeon export-gguf` (f16, q8_0, q4_0, q4_1): llama-bench's prompt processing
     (128 tokens) and decode (128 tokens) at batch 1 on 2 threads; KL against the f16 file by
     llama-perplexity --kl-divergence on held-out Persuasion;
+    More files split q8_0's KL: its token embeddings in f16 (`--tensor-type token_embd=f16`); an
+    f16 file holding the q8_0-rounded weights (the rounding of the weights alone, without llama.cpp's
+    q8_0 dot product, which also rounds the activations to 8 bits); q4_1, which changes no weight of
+    the parent (the dot products' rounding alone), also with f16 embeddings;
   - surgeon's engine, fp32, int8 (per channel) and int4 (groups of 32, round to nearest; and a
-    quantize step's GPTQ export when given with --int4-export): the same prompt and decode lengths;
-    KL against the parent on the same text with surgeon's own measure (llama.cpp's definition).
+    quantize step's GPTQ export when given with --int4-export), eager and with compile=True: the
+    same prompt and decode lengths; KL against the parent on the same text with surgeon's own
+    measure (llama.cpp's definition).
 """
 
 from __future__ import annotations
@@ -160,6 +165,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=16, help="512-token chunks of Persuasion for KL (default 16)")
     parser.add_argument("--int4-export", help="a quantize step's int4 export (e.g. out/smollm2-int4) to add")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the engine's compile=True rows")
     parser.add_argument("--work", default=str(CACHE / "bench"), help="where the GGUF files go")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -184,43 +190,88 @@ def bench(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     source = resolve_source("smollm2-135m-instruct", Path.cwd())
     parent, tokenizer = source.load_model(), source.load_tokenizer()
+    # (file, type, tensor type overrides, weights rounded to q8_0 first)
+    variants = {
+        "f16": ("smollm2.f16.gguf", "f16", None, False),
+        "q8_0": ("smollm2.q8_0.gguf", "q8_0", None, False),
+        "q8_0, token_embd f16": ("smollm2.q8_0-embd-f16.gguf", "q8_0", {"token_embd": "f16"}, False),
+        # q8_0's rounding of the weights alone: llama.cpp's f16 kernels on the q8_0 values.
+        "f16 holding q8_0-rounded weights": ("smollm2.q8_0-in-f16.gguf", "f16", None, True),
+        "q4_0": ("smollm2.q4_0.gguf", "q4_0", None, False),
+        "q4_1 (the parent's own grid)": ("smollm2.q4_1.gguf", "q4_1", None, False),  # see the README
+        # q4_1 changes no weight of the parent (whose own file has q4_1 layers and a q8_0 token_embd):
+        # its KL is what llama.cpp's quantized dot products cost; with token_embd f16 the head's is f16.
+        "q4_1, token_embd f16": ("smollm2.q4_1-embd-f16.gguf", "q4_1", {"token_embd": "f16"}, False),
+    }
     files = {}
-    for kind in ("f16", "q8_0", "q4_0", "q4_1"):  # q4_1: the parent's own grid (see the README)
-        files[kind] = work / f"smollm2.{kind}.gguf"
-        if not files[kind].is_file():
-            export_gguf(parent, tokenizer, files[kind], kind, "smollm2-135m-instruct")
+    for label, (filename, kind, overrides, rounded) in variants.items():
+        files[label] = work / filename
+        if not files[label].is_file():
+            model = q8_0_rounded_copy(parent) if rounded else parent
+            export_gguf(model, tokenizer, files[label], kind, "smollm2-135m-instruct", tensor_types=overrides)
     text = work / "persuasion.txt"
     text.write_text(PERSUASION.read_text(encoding="utf-8")[:200_000], encoding="utf-8")
     base_logits = work / "f16.kld"
     save_base_logits(files["f16"], base_logits, text, args.threads, 512, args.chunks)
 
     rows = []
-    for kind, path in files.items():
+    for label, path in files.items():
         rates = llama_bench(path, args.threads, 128, 128, args.repeats)
-        kl = kl_divergence(path, base_logits, text, args.threads, 512, args.chunks) if kind != "f16" else {}
-        rows.append((f"llama.cpp {kind}", rates, kl))
+        kl = kl_divergence(path, base_logits, text, args.threads, 512, args.chunks) if label != "f16" else {}
+        rows.append((f"llama.cpp {label}", rates, kl))
 
     # surgeon's side: the same lengths, KL on the same text (its own windows of 512).
     prompt = tokenizer(PERSUASION.read_text(encoding="utf-8")[:4000])["input_ids"][:128]
     windows = token_windows(tokenizer, [PERSUASION], TextData(text=str(PERSUASION), tokens=512 * args.chunks))
     reference = parent_reference(lambda: parent, windows, source.fingerprint())
-    plain = {"prefix_caching": False}
-    engines = {"surgeon fp32": (LLM(parent_path(source), **plain), None)}
-    engines["surgeon int8 (per channel, rtn)"] = (LLM(parent_path(source), quantize="int8", **plain), None)
-    engines["surgeon int4 (g32, rtn)"] = (LLM(parent_path(source), quantize="int4", **plain), None)
+    folder = parent_path(source)
+    engines = {  # name -> (LLM arguments, export measured for KL)
+        "surgeon fp32": ((folder,), {}, None),
+        "surgeon int8 (per channel, rtn)": ((folder,), {"quantize": "int8"}, None),
+        "surgeon int4 (groups of 32, rtn)": ((folder,), {"quantize": "int4"}, None),
+    }
     if args.int4_export:
-        engines[f"surgeon int4 ({Path(args.int4_export).name})"] = (LLM(args.int4_export, **plain), args.int4_export)
-    for name, (llm, export) in engines.items():
+        engines[f"surgeon int4 ({Path(args.int4_export).name})"] = ((args.int4_export,), {}, args.int4_export)
+    if not args.no_compile:  # torch.compile'd decode steps: the per-op overhead of eager PyTorch gone
+        for name in list(engines):
+            if "groups of 32" not in name:
+                positional, options, export = engines[name]
+                engines[f"{name}, compiled"] = (positional, {**options, "compile": True}, export)
+    measured = {}
+    for name, (positional, options, export) in engines.items():
+        llm = LLM(*positional, prefix_caching=False, **options)
         rates = engine_rates(llm, prompt, 128, args.repeats)
         kl = {}
-        if llm.quantized:
-            kl = compare_to_parent(dequantized_copy(llm, parent, export), windows, reference)
+        if llm.quantized:  # the same weights compiled or not: measured once
+            weights = name.removesuffix(", compiled")
+            if weights not in measured:
+                measured[weights] = compare_to_parent(dequantized_copy(llm, parent, export), windows, reference)
+            kl = measured[weights]
         rows.append((name, rates, kl))
+        del llm
     print_table(rows, args)
 
 
 def parent_path(source) -> str:
     return str(source.folder())
+
+
+def q8_0_rounded_copy(parent):
+    """The parent with every matrix rounded to q8_0 and back (blocks of 32 along a row, as the file)."""
+    import copy
+
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    model = copy.deepcopy(parent)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                values = parameter.detach().float().numpy()
+                q8_0 = GGMLQuantizationType.Q8_0
+                rounded = quants.dequantize(quants.quantize(values, q8_0), q8_0)
+                parameter.copy_(torch.from_numpy(rounded.reshape(values.shape)))
+    return model
 
 
 def dequantized_copy(llm, parent, export: str | None):
@@ -239,14 +290,16 @@ def _cell(kl: dict, key: str, digits: int = 4) -> str:
 
 
 def print_table(rows, args) -> None:
-    base = next(rates for name, rates, _ in rows if name == "surgeon fp32")
+    rates_of = {name: rates for name, rates, _ in rows}
     print(f"\nSmolLM2-135M-Instruct, batch 1, {args.threads} threads, 128-token prompt, 128 new tokens;")
-    print(f"KL against the unquantized parent on {args.chunks} x 512 tokens of Persuasion\n")
+    print(f"KL against the unquantized parent on {args.chunks} x 512 tokens of Persuasion;")
+    print("compiled rows' decode against surgeon fp32 compiled, the others' against surgeon fp32\n")
     columns = ["engine / weights", "prompt tok/s", "decode tok/s", "decode vs surgeon fp32"]
     columns += ["mean KL", "median KL", "p99 KL", "same top-1"]
     print("| " + " | ".join(columns) + " |")
     print("|---|" + "---:|" * (len(columns) - 1))
     for name, rates, kl in rows:
+        base = rates_of["surgeon fp32, compiled" if name.endswith(", compiled") else "surgeon fp32"]
         cells = [name, f"{rates['prompt']:.1f}", f"{rates['decode']:.1f}", f"{rates['decode'] / base['decode']:.2f}x"]
         cells += [_cell(kl, "kl_mean"), _cell(kl, "kl_median"), _cell(kl, "kl_p99"), _cell(kl, "top1_agreement", 3)]
         print("| " + " | ".join(cells) + " |")

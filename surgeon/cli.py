@@ -83,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="export folder, Hugging Face folder or alias")
     p.add_argument("--type", default="q8_0", choices=["f16", "bf16", "q8_0", "q4_0", "q4_1"], help="(default q8_0)")
     p.add_argument("--out", help="the .gguf file (default: SOURCE-NAME.TYPE.gguf in the current folder)")
+    p.add_argument(
+        "--tensor-type",
+        action="append",
+        default=[],
+        metavar="PATTERN=TYPE",
+        help="another type for the tensors whose GGUF name the regular expression finds, as llama-quantize's "
+        "flag (e.g. token_embd=f16); repeatable, the first match wins",
+    )
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(handler=_export_gguf)
 
@@ -251,14 +259,16 @@ def _analyze(args) -> None:
 def _export_gguf(args) -> None:
     from pathlib import Path
 
-    from .checkpoints.gguf_export import check_exportable, export_gguf
+    from .checkpoints.gguf_export import check_exportable, export_gguf, parse_tensor_types
     from .checkpoints.sources import resolve_source
 
+    overrides = parse_tensor_types(args.tensor_type)
     source = resolve_source(args.source, Path.cwd())
     check_exportable(source.config, f"'{args.source}'")  # before loading any weights
     name = Path(args.source).name if Path(args.source).is_dir() else args.source
     target = Path(args.out) if args.out else Path(f"{name}.{args.type}.gguf")
-    path = export_gguf(source.load_model(), source.load_tokenizer(), target, args.type, name, args.overwrite)
+    model, tokenizer = source.load_model(), source.load_tokenizer()
+    path = export_gguf(model, tokenizer, target, args.type, name, args.overwrite, overrides)
     print(f"{path} ({args.type}, {path.stat().st_size / 1e6:.1f} MB): llama-cli -m {path} -cnv")
 
 

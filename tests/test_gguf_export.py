@@ -132,3 +132,34 @@ def test_cli_export_gguf(tmp_path, tiny_llama):
     assert main(["export-gguf", str(tiny_llama), "--type", "q4_1", "--out", str(target)]) in (0, None)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     assert loaded.config.num_hidden_layers == 6
+
+
+def test_tensor_type_overrides_pick_each_tensors_type_as_llama_quantize_does(tmp_path, tiny_llama):
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from surgeon.cli import main
+
+    target = tmp_path / "mixed.gguf"
+    argv = ["export-gguf", str(tiny_llama), "--type", "q8_0", "--out", str(target)]
+    assert main([*argv, "--tensor-type", "token_embd=f16", "--tensor-type", r"blk\.1\.ffn_=q4_0"]) in (0, None)
+    types = {t.name: t.tensor_type for t in GGUFReader(str(target)).tensors}
+    assert types["token_embd.weight"] == GGMLQuantizationType.F16
+    assert types["blk.1.ffn_down.weight"] == GGMLQuantizationType.Q4_0
+    assert types["blk.0.ffn_down.weight"] == types["blk.1.attn_q.weight"] == GGMLQuantizationType.Q8_0
+    assert types["blk.1.ffn_norm.weight"] == GGMLQuantizationType.F32  # norms stay f32 whatever matches
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mixed.gguf")
+    assert loaded.config.num_hidden_layers == 6
+
+
+@pytest.mark.parametrize(
+    "item,message",
+    [("attn_q", "PATTERN=TYPE"), ("attn_q=q3_k", "PATTERN=TYPE"), ("attn_(=f16", "not a regular expression"),
+     ("no_such_tensor=f16", "no 2-D tensor's GGUF name matches")],
+)  # fmt: skip
+def test_bad_tensor_types_are_refused_before_anything_is_written(tmp_path, tiny_llama, item, message, capsys):
+    from surgeon.cli import main
+
+    target = tmp_path / "never.gguf"
+    assert main(["export-gguf", str(tiny_llama), "--out", str(target), "--tensor-type", item]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,9 @@ The `gguf` package (llama.cpp's own Python writer and quantizers) does the encod
 maps names and metadata. Types: f16, bf16, q8_0, q4_0, q4_1 (blocks of 32: 576-wide rows divide
 into them, not into the 256-element blocks of the K-quants). Norms stay f32. With a 4-bit type the
 token embeddings (also the output head when tied) are written q8_0, as llama.cpp's own SmolLM2 file
-has them: a 4-bit embedding table costs far more quality than it saves.
+has them: a 4-bit embedding table costs far more quality than it saves. `tensor_types` overrides
+the type of chosen tensors, as llama-quantize's `--tensor-type PATTERN=TYPE` does (a regular
+expression searched in the GGUF tensor name: `token_embd=f16`, `attn_=f16`, `blk[.]0[.]=f16`).
 
 llama.cpp's `llama` architecture applies rotary embedding to interleaved pairs of dimensions,
 transformers' Llama to the two halves of each head: the q and k projections' rows are permuted so
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -67,17 +70,47 @@ def check_exportable(config, where: str) -> str:
     return arch
 
 
-def export_gguf(model, tokenizer, target: Path, kind: str, name: str = "", overwrite: bool = False) -> Path:
-    """Write `model` as `target` (a .gguf file), atomically: a temporary file renamed into place."""
+def parse_tensor_types(items: list[str], where: str = "--tensor-type") -> dict[str, str]:
+    """["PATTERN=TYPE", ...] -> {pattern: type}, each pattern a valid regular expression."""
+    overrides = {}
+    for item in items:
+        pattern, _, kind = item.rpartition("=")
+        if not pattern or kind not in TYPES:
+            raise ExportError(f"{where} '{item}': write PATTERN=TYPE with TYPE one of {', '.join(TYPES)}")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ExportError(f"{where} '{item}': '{pattern}' is not a regular expression ({exc})") from None
+        overrides[pattern] = kind
+    return overrides
+
+
+def export_gguf(
+    model,
+    tokenizer,
+    target: Path,
+    kind: str,
+    name: str = "",
+    overwrite: bool = False,
+    tensor_types: dict[str, str] | None = None,
+) -> Path:
+    """Write `model` as `target` (a .gguf file), atomically: a temporary file renamed into place.
+    `tensor_types`: {regular expression searched in the GGUF name: type} for chosen 2-D tensors
+    (the first that matches wins); a pattern that matches no tensor is an error."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     if kind not in TYPES:
         raise ExportError(f"GGUF type '{kind}': choose one of {', '.join(TYPES)}")
+    tensor_types = tensor_types or {}
     config = model.config
     arch = check_exportable(config, str(target))
     target = Path(target)
     if target.exists() and not overwrite:
         raise ExportError(f"{target} already exists (pass --overwrite)")
+    names = [gguf_name for gguf_name, tensor in _tensors(model, False) if tensor.dim() == 2]
+    unused = [p for p in tensor_types if not any(re.search(p, n) for n in names)]
+    if unused:  # before writing anything
+        raise ExportError(f"{target}: no 2-D tensor's GGUF name matches tensor type pattern(s) {', '.join(unused)}")
     qtype, file_type = _types()[kind]
     with atomic_file(target) as tmp:
         writer = GGUFWriter(str(tmp), arch)
@@ -87,7 +120,11 @@ def export_gguf(model, tokenizer, target: Path, kind: str, name: str = "", overw
         permute = families.family(config.model_type).gguf_interleaved_rope
         for gguf_name, tensor in _tensors(model, permute):
             is_embedding = gguf_name in ("token_embd.weight", "output.weight")
-            _add_tensor(writer, gguf_name, tensor, embed_type if is_embedding else qtype)
+            chosen = embed_type if is_embedding else qtype
+            pattern = next((p for p in tensor_types if re.search(p, gguf_name)), None)
+            if pattern is not None and tensor.dim() == 2:
+                chosen = _types()[tensor_types[pattern]][0]
+            _add_tensor(writer, gguf_name, tensor, chosen)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
