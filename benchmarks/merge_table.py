@@ -14,7 +14,13 @@ import json
 from pathlib import Path
 
 FINETUNES = {"austen": "smollm2-ft-austen", "shakespeare": "smollm2-ft-shakespeare"}
-MERGES = ("smollm2-merge-linear", "smollm2-merge-task-arithmetic", "smollm2-merge-ties", "smollm2-merge-dare-ties")
+MERGES = (
+    "smollm2-merge-linear",
+    "smollm2-merge-task-arithmetic",
+    "smollm2-merge-ties",
+    "smollm2-merge-dare-ties",
+    "smollm2-merge-regmean",
+)
 DOMAINS = {"austen": "held-out Austen", "shakespeare": "held-out Shakespeare"}
 
 

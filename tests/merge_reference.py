@@ -65,3 +65,43 @@ def ties_by_hand(base, deltas, weights, density):
     total = sum(wd * m for wd, m in zip(weighted, agree))
     divisor = sum(w * m for w, m in zip(weights, agree))
     return base + total / torch.where(divisor == 0, 1.0, divisor)
+
+
+def regmean_by_hand(models, windows, weights, alpha):
+    """RegMean written out: per decoder Linear, W = (sum_i w_i W_i G_i)(sum_i w_i G_i)^-1 with
+    G_i = X_i^T X_i / tokens over model i's own windows, off-diagonals scaled by alpha; the other
+    tensors the weighted average. Returns the merged state dict."""
+    grams_of = []
+    for model, rows in zip(models, windows):
+        inputs = {}
+        hooks = [
+            module.register_forward_hook(
+                lambda _m, args, _out, name=name, seen=inputs: seen.setdefault(name, []).append(args[0])
+            )
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"
+        ]
+        with torch.no_grad():
+            for row in rows:
+                model(input_ids=row[None])
+        for hook in hooks:
+            hook.remove()
+        grams = {}
+        for name, seen in inputs.items():
+            x = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen]).double()
+            gram = x.T @ x / rows.numel()
+            off = gram * alpha
+            off.diagonal().copy_(gram.diagonal())
+            grams[name] = off
+        grams_of.append(grams)
+    states = [{k: v.double() for k, v in m.state_dict().items()} for m in models]
+    merged = {}
+    for key in states[0]:
+        module = key.removesuffix(".weight")
+        if key.endswith(".weight") and module in grams_of[0]:
+            products = sum(w * s[key] @ g[module] for w, s, g in zip(weights, states, grams_of))
+            total = sum(w * g[module] for w, g in zip(weights, grams_of))
+            merged[key] = (products @ torch.linalg.inv(total)).float()
+        else:
+            merged[key] = (sum(w * s[key] for w, s in zip(weights, states)) / sum(weights)).float()
+    return merged

@@ -217,3 +217,49 @@ def test_the_trim_keeps_exactly_the_density_share_even_among_equal_magnitudes():
 def test_a_model_listed_twice_is_refused(tmp_path, trio):
     message = _plan_error(tmp_path, trio, "method: ties\nmodels: [{model: a}, {model: b}, {model: a}]")
     assert "'a' is listed twice" in message and "bad.yaml:9" in message
+
+
+def test_regmean_fits_each_linear_to_every_models_own_activations(tmp_path, trio, text_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from merge_reference import regmean_by_hand
+    from surgeon.text import TextData, token_windows
+
+    texts = {"a": text_dir / "calibration.txt", "b": text_dir / "heldout.txt"}
+    step = f"""\
+        method: regmean
+        alpha: 0.8
+        models:
+          - {{model: a, data: {{text: {texts["a"]}, tokens: 256, window: 64}}}}
+          - {{model: b, weight: 2, data: {{text: {texts["b"]}, tokens: 256, window: 64}}}}
+        """
+    merged, result = _merge(tmp_path, trio, step)
+    tokenizer = AutoTokenizer.from_pretrained(trio["a"])
+    models = [AutoModelForCausalLM.from_pretrained(trio[n], dtype=torch.float32).eval() for n in ("a", "b")]
+    windows = [token_windows(tokenizer, [texts[n]], TextData(text=str(texts[n]), tokens=256, window=64)) for n in "ab"]
+    expected = regmean_by_hand(models, windows, [1.0, 2.0], 0.8)
+    solved = [name for name in merged if ".layers." in name and name.endswith("_proj.weight")]
+    assert len(solved) == LAYERS * 7
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+    # Not a plain average: the Linears moved toward what each model's own text needs.
+    a, b = state_of(trio["a"]), state_of(trio["b"])
+    assert not torch.allclose(merged[solved[0]], (a[solved[0]] + 2 * b[solved[0]]) / 3, atol=1e-4)
+    details = json.loads((result.target / "report.json").read_text())["provenance"][0]["details"]
+    assert details["regmean"]["a"]["text"] == "calibration.txt" and details["regmean"]["b"]["tokens"] == 256
+    assert "regmean (alpha 0.8) is not a mergekit method" in (result.target / "README.md").read_text()
+
+
+def test_regmean_mistakes_are_reported_with_file_and_line(tmp_path, trio, text_dir):
+    data = f"{{text: {text_dir / 'calibration.txt'}, tokens: 128, window: 64}}"
+    message = _plan_error(tmp_path, trio, f"method: regmean\nmodels: [{{model: a, data: {data}}}, {{model: b}}]")
+    assert "bad.yaml:" in message and "give each model `data`" in message
+    message = _plan_error(tmp_path, trio, f"method: ties\nmodels: [{{model: a, data: {data}}}, {{model: b}}]")
+    assert "`data` is regmean's" in message
+    message = _plan_error(tmp_path, trio, "method: linear\nalpha: 0.5\nmodels: [{model: a}, {model: b}]")
+    assert "`alpha` is regmean's" in message
+    missing = "{text: no-such-file.txt}"
+    message = _plan_error(
+        tmp_path, trio, f"method: regmean\nmodels: [{{model: a, data: {missing}}}, {{model: b, data: {data}}}]"
+    )
+    assert "bad.yaml:" in message and "no-such-file.txt" in message

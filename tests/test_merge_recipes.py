@@ -27,7 +27,7 @@ def _run(recipe: dict, path, out, capsys) -> str:
 
 def test_the_set_is_complete():
     methods = {yaml.safe_load(p.read_text())["steps"][0]["merge"]["method"] for p in MERGES}
-    assert methods == {"linear", "task_arithmetic", "ties", "dare_ties"}
+    assert methods == {"linear", "task_arithmetic", "ties", "dare_ties", "regmean"}
     for path in MERGES:
         sources = yaml.safe_load(path.read_text())["sources"]
         for name, finetune in FINETUNES.items():  # each merge reads where the fine-tune exports

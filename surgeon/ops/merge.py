@@ -1,8 +1,10 @@
 """merge: combine same-architecture checkpoints tensor by tensor (mergekit's methods).
 
 Methods: linear, slerp, task_arithmetic, ties, dare_linear, dare_ties (surgeon/surgery/merge.py
-holds the math). Sources are read a block of rows at a time from their safetensors, so the step
-holds the result plus a few tensors' worth of work, however many models it merges.
+holds the math), and regmean, which also runs each model over its own `data` (surgeon/surgery/
+regmean.py). Sources are read a block of rows at a time from their safetensors, so the step holds
+the result plus a few tensors' worth of work, however many models it merges (regmean: plus its
+sums, and one model at a time while it runs them).
 
 Parameter values follow mergekit: a number; a gradient `[0, 0.5, 1]` spread over the decoder (layer i
 of L takes the value at i / (L - 1); tensors outside the layers take the first value, as mergekit
@@ -29,7 +31,9 @@ from ..errors import ParamError, SourceError
 from ..recipe.patient import Patient, Provenance
 from ..recipe.step import BASE, PATIENT, ModelState, Operation, StepContext, register
 from ..surgery import architecture, merge
+from ..surgery.regmean import RegMeanSums, decoder_linears
 from ..surgery.selection import matches, unmatched_patterns
+from ..text import TextData, describe_files
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class MergeModel(BaseModel):
     model: str = Field(min_length=1)  # a source name, `base` or `patient`
     weight: Setting | None = None
     density: Setting | None = None
+    data: TextData | None = None  # regmean: text of the model's own domain
 
     @field_validator("density")
     @classmethod
@@ -85,11 +90,13 @@ class MergeParams(BaseModel):
     position; `normalize` (default per method) and `lambda` scale the combined deltas; `tensors`:
     globs of the tensors to merge, the rest copied from the base (linear: the first model);
     `tokenizer`: the source whose tokenizer the result takes (default: the patient's); `seed` makes
-    DARE's drops repeatable."""
+    DARE's drops repeatable. regmean: each model's `data` (text of its own domain, never what the
+    merge is judged on) and `alpha`, the share of the Gram matrices' off-diagonals kept (default 0.9).
+    """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    method: Literal["linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties"]
+    method: Literal["linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties", "regmean"]
     models: list[MergeModel] = Field(min_length=1)
     base: str | None = None
     weight: Setting | None = None
@@ -100,6 +107,7 @@ class MergeParams(BaseModel):
     tensors: list[str] | None = Field(None, min_length=1)
     tokenizer: str | None = None
     seed: int = 0
+    alpha: float | None = Field(None, ge=0, le=1)
 
     @field_validator("density")
     @classmethod
@@ -169,6 +177,7 @@ class Merge(Operation):
             given += [("models", i, "density") for i, m in enumerate(params.models) if m.density is not None]
             if given:
                 raise ParamError(given[0], f"{params.method} keeps every delta entry: density is for ties and dare_*")
+        _check_regmean(params, ctx)
         if params.tokenizer is not None:
             _check_known(params.tokenizer, ctx, ("tokenizer",))
         meta = _meta_state(state.config)
@@ -182,10 +191,15 @@ class Merge(Operation):
         # Row blocks of every source at once; TIES also holds whole tensors to find its threshold.
         whole = 5 * largest * 4 if method.sparsify == "magnitude" else 0
         working = whole + (len(params.models) + 4) * min(CHUNK_ELEMENTS, largest) * 4
+        if params.method == "regmean":  # its sums (fp32) and the one model it runs at a time
+            working += _regmean_bytes(meta) + architecture.shape_of(state.config, torch.float32).bytes
         ctx.facts["expected_bytes"] = result + working
         base = f" onto {params.the_base()}" if method.uses_base else ""
+        how = "tensor by tensor"
+        if params.method == "regmean":
+            how = "each model run over its own text, then tensor by tensor"
         note = (
-            f"{params.method} of {', '.join(m.model for m in params.models)}{base}, tensor by tensor: "
+            f"{params.method} of {', '.join(m.model for m in params.models)}{base}, {how}: "
             f"needs {_mib(result)} for the result + {_mib(working)} working beyond the models in memory "
             f"({_mib(min(CHUNK_ELEMENTS, largest) * 4)} more per added source)"
         )
@@ -198,11 +212,14 @@ class Merge(Operation):
         unchecked = [n for n in _with_tokenizer_source(params, _referenced(params)) if n[1] not in checked]
         _check_vocabularies(unchecked, ctx, patient.tokenizer)
         out_state = patient.model.state_dict()
+        solved, fitted = {}, {}
+        if params.method == "regmean":
+            solved, fitted = _regmean(params, patient, ctx)
         readers = {}
         try:
             for name in dict.fromkeys(names):
                 readers[name] = _reader(name, patient, ctx)
-            tensors = _merge_all(params, out_state, readers, patient.model.config.num_hidden_layers)
+            tensors = _merge_all(params, out_state, readers, patient.model.config.num_hidden_layers, solved)
         finally:
             for reader in readers.values():
                 reader.close()
@@ -231,6 +248,7 @@ class Merge(Operation):
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "expected_bytes": ctx.facts.get("expected_bytes"),
                 "mergekit": mergekit_config(params, sources, str(child.dtype).removeprefix("torch.")),
+                **({"regmean": fitted} if fitted else {}),
             },
         )
         log.info("merged in %.1f s", seconds)
@@ -238,8 +256,11 @@ class Merge(Operation):
         return merged if tokenizer is patient.tokenizer else _with_tokenizer(merged, tokenizer)
 
 
-def _merge_all(params: MergeParams, out_state: dict, readers: dict, layers: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the result, merged (or copied) from the readers; tied tensors stay tied."""
+def _merge_all(
+    params: MergeParams, out_state: dict, readers: dict, layers: int, solved: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the result, merged (or copied) from the readers, or taken from `solved`
+    (regmean's Linears); tied tensors stay tied."""
     first_of = {}  # data_ptr -> first name, so a tied head is computed once
     aliases = {}
     for name, tensor in out_state.items():
@@ -265,6 +286,9 @@ def _merge_all(params: MergeParams, out_state: dict, readers: dict, layers: int)
             keep = params.the_base() or params.models[0].model
             merged[name] = _copy(readers[keep], stored_name(keep, name), target)
             continue
+        if solved and name in solved:
+            merged[name] = solved[name].to(target.dtype)
+            continue
         merged[name] = _merge_tensor(params, name, t, target, readers, stored_name)
     for name, first in aliases.items():
         if name != first:
@@ -286,7 +310,7 @@ def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor
 
     contributors = [m for _, m in params.contributors()]
     weights = [_value(m.weight, params.weight, name, t, 1.0) for m in contributors]
-    if params.method == "linear":
+    if params.method in ("linear", "regmean"):  # regmean: the tensors outside the decoder's Linears
         for start, stop in blocks:
             chunks = [read(m.model, start, stop) for m in contributors]
             out[start:stop] = merge.linear(chunks, weights, params.normalizes())
@@ -325,6 +349,66 @@ def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor
         mixed = merge.combine_deltas(deltas, weights, method.sign_consensus, params.normalizes())
         out[start:stop] = base_chunk + params.lambda_ * mixed
     return out
+
+
+def _check_regmean(params: MergeParams, ctx: StepContext) -> None:
+    """regmean needs each model's own text; the other methods read weights only."""
+    if params.method != "regmean":
+        if params.alpha is not None:
+            raise ParamError(("alpha",), f"`alpha` is regmean's; {params.method} has no Gram matrices")
+        for index, model in enumerate(params.models):
+            if model.data is not None:
+                raise ParamError(("models", index, "data"), f"`data` is regmean's; {params.method} reads weights only")
+        return
+    for index, model in enumerate(params.models):
+        if model.data is None:
+            raise ParamError(
+                ("models", index, "data"),
+                "regmean fits each Linear to every model's own activations: give each model `data`, "
+                "text of its own domain (not what the merge is judged on)",
+            )
+        if isinstance(model.weight, list):
+            raise ParamError(("models", index, "weight"), "regmean weighs a model as a whole: give a number")
+        ctx.resolve_text(f"merge-data-{index}", model.data, ("models", index, "data"))
+    if isinstance(params.weight, list):
+        raise ParamError(("weight",), "regmean weighs a model as a whole: give a number")
+
+
+def _regmean(params: MergeParams, patient: Patient, ctx: StepContext) -> tuple[dict, dict]:
+    """({weight name: merged tensor} for every decoder Linear, what was fitted on what)."""
+    names = decoder_linears(patient.model)
+    if params.tensors:
+        names = [n for n in names if matches(f"{n}.weight", params.tensors)]
+    sums = RegMeanSums(names, 0.9 if params.alpha is None else params.alpha)
+    fitted = {}
+    for index, entry in enumerate(params.models):
+        started = time.perf_counter()
+        files, windows = ctx.text_windows(f"merge-data-{index}", entry.data, patient.tokenizer)
+        model = _model_of(entry.model, patient, ctx)
+        weight = _value(entry.weight, params.weight, "", 0.0, 1.0)
+        sums.add(model, windows, weight)
+        del model
+        seconds = time.perf_counter() - started
+        text = describe_files(files)
+        fitted[entry.model] = {"text": text, "tokens": windows.numel(), "seconds": round(seconds, 1)}
+        log.info("regmean: %s on %d tokens of %s (%.1f s)", entry.model, windows.numel(), text, seconds)
+    return {f"{name}.weight": sums.solve(name) for name in names}, fitted
+
+
+def _model_of(name: str, patient: Patient, ctx: StepContext) -> torch.nn.Module:
+    if name == PATIENT:
+        return patient.model
+    return patient.parent if name == BASE else ctx.sources[name].load_model()
+
+
+def _regmean_bytes(meta: dict[str, torch.Size]) -> int:
+    """An upper bound on regmean's memory: its fp32 sums (a product per decoder Linear, a Gram per
+    input) and the fp64 Grams of the model being run (Linears reading one tensor share theirs)."""
+    total = 0
+    for name, shape in meta.items():
+        if len(shape) == 2 and architecture.split_layer_name(name) and name.endswith("_proj.weight"):
+            total += shape.numel() * 4 + shape[1] * shape[1] * (4 + 8)
+    return total
 
 
 def _value(own: Setting | None, default: Setting | None, name: str, t: float, fallback: float) -> float:
@@ -505,6 +589,11 @@ def mergekit_config(params: MergeParams, sources: dict, dtype: str) -> dict:
     config["dtype"] = dtype
     if params.tensors:  # mergekit has no such key: say so rather than describe another merge
         config["surgeon_only"] = {"tensors": params.tensors, "note": "the other tensors are the base's"}
+    if params.method == "regmean":
+        config.setdefault("surgeon_only", {})["method"] = (
+            f"regmean (alpha {0.9 if params.alpha is None else params.alpha}) is not a mergekit method: "
+            "each decoder Linear solved by least squares on its models' own text, the rest averaged"
+        )
     return config
 
 

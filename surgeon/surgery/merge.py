@@ -1,4 +1,5 @@
-"""Weight merging math: linear averaging, SLERP, task arithmetic, TIES and DARE, on row chunks.
+"""Weight merging math: linear averaging, SLERP, task arithmetic, TIES and DARE, on row chunks;
+RegMean's closed form per Linear (surgeon/surgery/regmean.py gathers what it needs).
 
 The merge step streams each tensor through here a block of rows at a time, so nothing is ever held
 for all sources at once. What needs the whole tensor is measured first, in a pass of its own: the
@@ -7,7 +8,9 @@ turns by (`SlerpStats`). Every function here takes and returns float32 tensors.
 
 References: model soups (Wortsman et al. 2022) for linear; task arithmetic (Ilharco et al. 2023);
 TIES-merging (Yadav et al. 2023: trim, elect sign, disjoint mean); DARE (Yu et al. 2024: drop each
-delta entry with probability 1 - density, rescale the rest by 1 / density).
+delta entry with probability 1 - density, rescale the rest by 1 / density); RegMean (Jin et al.
+2023, "Dataless Knowledge Fusion by Merging Weights of Language Models": each Linear takes the
+weight whose outputs are closest, in least squares, to every model's own outputs on its own inputs).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ METHODS = {
         Method("ties", uses_base=True, sparsify="magnitude", sign_consensus=True, normalize=True),
         Method("dare_linear", uses_base=True, sparsify="random", sign_consensus=False, normalize=False),
         Method("dare_ties", uses_base=True, sparsify="random", sign_consensus=True, normalize=False),
+        # Linears by least squares on each model's activations, every other tensor as `linear`.
+        Method("regmean", uses_base=False, sparsify=None, sign_consensus=False, normalize=True),
     )
 }
 
@@ -163,3 +168,23 @@ def combine_deltas(
     if normalize:
         mixed /= torch.where(counted == 0, 1.0, counted)
     return mixed
+
+
+def regularised_gram(gram: torch.Tensor, alpha: float) -> torch.Tensor:
+    """RegMean's regularisation: the Gram matrix's off-diagonal entries scaled by `alpha` (1: plain
+    least squares; 0: only each input's own scale, which makes the merge a per-column weighted
+    average). Below 1 the sum stays well conditioned and the merge stays near the average."""
+    diagonal = torch.diagonal(gram).clone()
+    out = gram * alpha
+    out.diagonal().copy_(diagonal)
+    return out
+
+
+def regmean_solve(products: torch.Tensor, grams: torch.Tensor, damp: float = 1e-6) -> torch.Tensor:
+    """W = (sum_i W_i G_i) (sum_i G_i)^-1: `products` [out, in] = sum_i W_i G_i, `grams` [in, in] =
+    sum_i G_i (symmetric). Solved in float64, with `damp` x the mean diagonal added for inputs that
+    never varied."""
+    grams = grams.double()
+    ridge = damp * torch.diagonal(grams).mean().clamp_min(_EPS)
+    grams = grams + ridge * torch.eye(grams.shape[0], dtype=grams.dtype)
+    return torch.linalg.solve(grams, products.double().T).T.float()
