@@ -29,10 +29,30 @@ HELD_OUT = {
     },
 }
 BOTH = ({"model": "austen"}, {"model": "shakespeare"})
+# RegMean's calibration: each fine-tune's own training books (recipes/merge/finetune-*.yaml), never the held-out ones.
+TRAINED_ON = {
+    "austen": [
+        str(TEXT / "austen" / f"{b}.txt")
+        for b in ("emma", "mansfieldpark", "northangerabbey", "prideprejudice", "sensesensibility")
+    ],
+    "shakespeare": [
+        str(TEXT / "shakespeare" / f"{p}.txt")
+        for p in (
+            "alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "cymbeline", "loves_labours_lost",
+            "measure_for_measure", "merchant_of_venice", "midsummer_nights_dream", "much_ado_about_nothing",
+            "tempest", "twelfth_night", "winters_tale",
+        )
+    ],
+}  # fmt: skip
 
 
 def _models(**values) -> list[dict]:
     return [{**m, **values} for m in BOTH]
+
+
+def _regmean(alpha: float, tokens: int) -> dict:
+    models = [{**m, "data": {"text": TRAINED_ON[m["model"]], "tokens": tokens}} for m in BOTH]
+    return {"method": "regmean", "alpha": alpha, "models": models}
 
 
 SETTINGS = {
@@ -58,6 +78,10 @@ SETTINGS = {
     "dare_ties-d0.5-sum": {"method": "dare_ties", "models": _models(weight=1.0, density=0.5)},
     "dare_ties-d0.5-norm": {"method": "dare_ties", "models": _models(weight=1.0, density=0.5), "normalize": True},
     "dare_linear-d0.5-w0.5": {"method": "dare_linear", "models": _models(weight=0.5, density=0.5)},
+    "regmean-a0.5": _regmean(0.5, 16384),
+    "regmean-a0.9": _regmean(0.9, 16384),
+    "regmean-a1.0": _regmean(1.0, 16384),
+    "regmean-a0.9-4k": _regmean(0.9, 4096),
 }
 
 

@@ -54,3 +54,18 @@ def test_finetunes_then_merges_run_end_to_end(tmp_path, tokenizer_dir, capsys):
         for stage in report["stages"]:
             assert any(line.startswith(stage["name"]) for line in printed.splitlines()), (stage["name"], printed)
         assert "As a mergekit config" in (out / "README.md").read_text()
+
+
+def test_regmean_calibrates_on_each_finetunes_training_text_never_on_what_it_is_judged_on():
+    recipe = yaml.safe_load((MERGE_DIR / "regmean.yaml").read_text())
+    judged = set()
+    for step in recipe["steps"][1:]:
+        if "evaluate" in step:
+            text = step["evaluate"]["data"]["text"]
+            judged |= {text} if isinstance(text, str) else set(text)
+    for model in recipe["steps"][0]["merge"]["models"]:
+        calibration = set(model["data"]["text"])
+        assert not calibration & judged
+        finetune = yaml.safe_load(FINETUNES[model["model"]].read_text())
+        trained_on = set(finetune["steps"][0]["heal"]["data"]["sources"][0]["text"])
+        assert calibration == trained_on  # its own domain: what that fine-tune learned from
