@@ -190,7 +190,7 @@ def bench(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     source = resolve_source("smollm2-135m-instruct", Path.cwd())
     parent, tokenizer = source.load_model(), source.load_tokenizer()
-    # (file, type, tensor type overrides, weights rounded to q8_0 first)
+    # label -> (file, type, tensor type overrides, weights rounded to q8_0 first)
     variants = {
         "f16": ("smollm2.f16.gguf", "f16", None, False),
         "q8_0": ("smollm2.q8_0.gguf", "q8_0", None, False),
@@ -225,18 +225,18 @@ def bench(args) -> None:
     windows = token_windows(tokenizer, [PERSUASION], TextData(text=str(PERSUASION), tokens=512 * args.chunks))
     reference = parent_reference(lambda: parent, windows, source.fingerprint())
     folder = parent_path(source)
-    engines = {  # name -> (LLM arguments, export measured for KL)
+    engines = {  # name -> (LLM's positional and keyword arguments, export measured for KL)
         "surgeon fp32": ((folder,), {}, None),
         "surgeon int8 (per channel, rtn)": ((folder,), {"quantize": "int8"}, None),
         "surgeon int4 (groups of 32, rtn)": ((folder,), {"quantize": "int4"}, None),
     }
     if args.int4_export:
         engines[f"surgeon int4 ({Path(args.int4_export).name})"] = ((args.int4_export,), {}, args.int4_export)
+    compiled_too = [name for name in engines if name != "surgeon int4 (groups of 32, rtn)" or not args.int4_export]
     if not args.no_compile:  # torch.compile'd decode steps: the per-op overhead of eager PyTorch gone
-        for name in list(engines):
-            if "groups of 32" not in name:
-                positional, options, export = engines[name]
-                engines[f"{name}, compiled"] = (positional, {**options, "compile": True}, export)
+        for name in compiled_too:
+            positional, options, export = engines[name]
+            engines[f"{name}, compiled"] = (positional, {**options, "compile": True}, export)
     measured = {}
     for name, (positional, options, export) in engines.items():
         llm = LLM(*positional, prefix_caching=False, **options)

@@ -141,11 +141,13 @@ def test_tensor_type_overrides_pick_each_tensors_type_as_llama_quantize_does(tmp
 
     target = tmp_path / "mixed.gguf"
     argv = ["export-gguf", str(tiny_llama), "--type", "q8_0", "--out", str(target)]
-    assert main([*argv, "--tensor-type", "token_embd=f16", "--tensor-type", r"blk\.1\.ffn_=q4_0"]) in (0, None)
+    overrides = ["--tensor-type", "token_embd=F16", "--tensor-type", r"blk\.1\.ffn_=q4_0", "--tensor-type", "ffn_=f16"]
+    assert main([*argv, *overrides]) in (0, None)
     types = {t.name: t.tensor_type for t in GGUFReader(str(target)).tensors}
     assert types["token_embd.weight"] == GGMLQuantizationType.F16
     assert types["blk.1.ffn_down.weight"] == GGMLQuantizationType.Q4_0
-    assert types["blk.0.ffn_down.weight"] == types["blk.1.attn_q.weight"] == GGMLQuantizationType.Q8_0
+    assert types["blk.0.ffn_down.weight"] == GGMLQuantizationType.F16  # the later pattern, where the first misses
+    assert types["blk.1.attn_q.weight"] == GGMLQuantizationType.Q8_0
     assert types["blk.1.ffn_norm.weight"] == GGMLQuantizationType.F32  # norms stay f32 whatever matches
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mixed.gguf")
     assert loaded.config.num_hidden_layers == 6
@@ -162,4 +164,13 @@ def test_bad_tensor_types_are_refused_before_anything_is_written(tmp_path, tiny_
     target = tmp_path / "never.gguf"
     assert main(["export-gguf", str(tiny_llama), "--out", str(target), "--tensor-type", item]) == 2
     assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pattern_given_twice_is_refused(tmp_path, tiny_llama, capsys):
+    from surgeon.cli import main
+
+    argv = ["export-gguf", str(tiny_llama), "--out", str(tmp_path / "never.gguf")]
+    assert main([*argv, "--tensor-type", "attn_q=f16", "--tensor-type", "attn_q=q4_0"]) == 2
+    assert "given twice" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -258,8 +258,32 @@ def test_regmean_mistakes_are_reported_with_file_and_line(tmp_path, trio, text_d
     assert "`data` is regmean's" in message
     message = _plan_error(tmp_path, trio, "method: linear\nalpha: 0.5\nmodels: [{model: a}, {model: b}]")
     assert "`alpha` is regmean's" in message
+    for extra, expected in (
+        ("normalize: false", "drop `normalize: false`"),
+        ("lambda: 0.5", "`lambda` scales task vectors"),
+        ("weight: 0", "give a weight above 0"),
+        ("weight: [0.5, 1.0]", "weighs a model as a whole"),
+    ):
+        step = f"method: regmean\n{extra}\nmodels: [{{model: a, data: {data}}}, {{model: b, data: {data}}}]"
+        message = _plan_error(tmp_path, trio, step)
+        assert "bad.yaml:" in message and expected in message, (extra, message)
     missing = "{text: no-such-file.txt}"
     message = _plan_error(
         tmp_path, trio, f"method: regmean\nmodels: [{{model: a, data: {missing}}}, {{model: b, data: {data}}}]"
     )
     assert "bad.yaml:" in message and "no-such-file.txt" in message
+
+
+def test_regmean_refuses_linears_with_biases_at_plan(tmp_path, tiny_models, text_dir):
+    data = f"{{text: {text_dir / 'calibration.txt'}, tokens: 128, window: 64}}"
+    recipe = tmp_path / "biased.yaml"
+    recipe.write_text(
+        f"name: biased\nbase: {tiny_models['qwen2']}\nsources:\n  a: {tiny_models['qwen2']}\nsteps:\n"
+        "  - merge:\n      method: regmean\n"
+        f"      models: [{{model: patient, data: {data}}}, {{model: a, data: {data}}}]\n"
+    )
+    with pytest.raises(RecipeError) as caught:
+        plan_recipe(load_recipe(recipe))
+    assert "biased.yaml:" in str(caught.value) and "without biases; this model has model.layers.0.self_attn." in str(
+        caught.value
+    )

@@ -58,14 +58,19 @@ def test_finetunes_then_merges_run_end_to_end(tmp_path, tokenizer_dir, capsys):
 
 def test_regmean_calibrates_on_each_finetunes_training_text_never_on_what_it_is_judged_on():
     recipe = yaml.safe_load((MERGE_DIR / "regmean.yaml").read_text())
+
+    def files(text, folder=MERGE_DIR) -> set:
+        return {(folder / t).resolve() for t in ([text] if isinstance(text, str) else text)}
+
     judged = set()
     for step in recipe["steps"][1:]:
         if "evaluate" in step:
-            text = step["evaluate"]["data"]["text"]
-            judged |= {text} if isinstance(text, str) else set(text)
+            judged |= files(step["evaluate"]["data"]["text"])
+    assert judged
     for model in recipe["steps"][0]["merge"]["models"]:
-        calibration = set(model["data"]["text"])
-        assert not calibration & judged
-        finetune = yaml.safe_load(FINETUNES[model["model"]].read_text())
-        trained_on = set(finetune["steps"][0]["heal"]["data"]["sources"][0]["text"])
+        calibration = files(model["data"]["text"])
+        assert calibration and not calibration & judged
+        finetune = FINETUNES[model["model"]]
+        heal = yaml.safe_load(finetune.read_text())["steps"][0]["heal"]
+        trained_on = files(heal["data"]["sources"][0]["text"], finetune.parent)
         assert calibration == trained_on  # its own domain: what that fine-tune learned from

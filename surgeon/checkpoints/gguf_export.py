@@ -75,12 +75,15 @@ def parse_tensor_types(items: list[str], where: str = "--tensor-type") -> dict[s
     overrides = {}
     for item in items:
         pattern, _, kind = item.rpartition("=")
+        kind = kind.lower()  # Q8_0 as llama-quantize writes it, or q8_0
         if not pattern or kind not in TYPES:
             raise ExportError(f"{where} '{item}': write PATTERN=TYPE with TYPE one of {', '.join(TYPES)}")
         try:
             re.compile(pattern)
         except re.error as exc:
             raise ExportError(f"{where} '{item}': '{pattern}' is not a regular expression ({exc})") from None
+        if pattern in overrides:
+            raise ExportError(f"{where} '{item}': '{pattern}' is given twice (the first match wins: give it once)")
         overrides[pattern] = kind
     return overrides
 

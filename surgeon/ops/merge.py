@@ -37,6 +37,7 @@ from ..text import TextData, describe_files
 
 log = logging.getLogger(__name__)
 
+REGMEAN_ALPHA = 0.9  # the share of the Gram matrices' off-diagonals RegMean keeps unless told
 CHUNK_ELEMENTS = 1 << 22  # rows are merged in blocks of about this many values (16 MB in fp32)
 COMPARED_FIELDS = (*architecture.LAYER_SHAPE_FIELDS, "num_hidden_layers", "vocab_size", "tie_word_embeddings")
 
@@ -88,10 +89,11 @@ class MergeParams(BaseModel):
     """`models` with their `weight` / `density` (defaults: the step's, else 1); `base`: the model
     task vectors are taken from (and SLERP's t = 0 end; default: the recipe's base); `t`: SLERP's
     position; `normalize` (default per method) and `lambda` scale the combined deltas; `tensors`:
-    globs of the tensors to merge, the rest copied from the base (linear: the first model);
+    globs of the tensors to merge, the rest copied from the base (linear, regmean: the first model);
     `tokenizer`: the source whose tokenizer the result takes (default: the patient's); `seed` makes
     DARE's drops repeatable. regmean: each model's `data` (text of its own domain, never what the
-    merge is judged on) and `alpha`, the share of the Gram matrices' off-diagonals kept (default 0.9).
+    merge is judged on) and `alpha`, the share of the Gram matrices' off-diagonals kept (default
+    REGMEAN_ALPHA).
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -144,7 +146,10 @@ def _check_densities(setting) -> None:
 class Merge(Operation):
     name = "merge"
     Params = MergeParams
-    summary = "merge same-architecture checkpoints: linear, slerp, task arithmetic, TIES, DARE (mergekit's methods)"
+    summary = (
+        "merge same-architecture checkpoints: linear, slerp, task arithmetic, TIES, DARE (mergekit's methods), "
+        "RegMean (fitted to each model's own text)"
+    )
 
     def plan(self, params: MergeParams, state: ModelState, ctx: StepContext):
         method = merge.METHODS[params.method]
@@ -169,7 +174,7 @@ class Merge(Operation):
         elif method.uses_base and not contributors:
             raise ParamError(("models",), f"{params.method} needs at least one model besides the base")
         elif not method.uses_base and len(params.models) < 2:
-            raise ParamError(("models",), "a linear merge averages two or more models")
+            raise ParamError(("models",), f"a {params.method} merge combines two or more models")
         if params.method != "slerp" and params.t is not None:
             raise ParamError(("t",), f"`t` is slerp's; {params.method} weighs models by `weight`")
         if not method.sparsify:
@@ -177,7 +182,7 @@ class Merge(Operation):
             given += [("models", i, "density") for i, m in enumerate(params.models) if m.density is not None]
             if given:
                 raise ParamError(given[0], f"{params.method} keeps every delta entry: density is for ties and dare_*")
-        _check_regmean(params, ctx)
+        _check_regmean(params, state, ctx)
         if params.tokenizer is not None:
             _check_known(params.tokenizer, ctx, ("tokenizer",))
         meta = _meta_state(state.config)
@@ -212,7 +217,7 @@ class Merge(Operation):
         unchecked = [n for n in _with_tokenizer_source(params, _referenced(params)) if n[1] not in checked]
         _check_vocabularies(unchecked, ctx, patient.tokenizer)
         out_state = patient.model.state_dict()
-        solved, fitted = {}, {}
+        solved, fitted = None, {}
         if params.method == "regmean":
             solved, fitted = _regmean(params, patient, ctx)
         readers = {}
@@ -257,10 +262,10 @@ class Merge(Operation):
 
 
 def _merge_all(
-    params: MergeParams, out_state: dict, readers: dict, layers: int, solved: dict | None = None
+    params: MergeParams, out_state: dict, readers: dict, layers: int, solved: RegMeanSums | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the result, merged (or copied) from the readers, or taken from `solved`
-    (regmean's Linears); tied tensors stay tied."""
+    """Every tensor of the result, merged (or copied) from the readers, or solved from regmean's
+    sums (its Linears, one at a time: each sum is freed once used); tied tensors stay tied."""
     first_of = {}  # data_ptr -> first name, so a tied head is computed once
     aliases = {}
     for name, tensor in out_state.items():
@@ -286,8 +291,8 @@ def _merge_all(
             keep = params.the_base() or params.models[0].model
             merged[name] = _copy(readers[keep], stored_name(keep, name), target)
             continue
-        if solved and name in solved:
-            merged[name] = solved[name].to(target.dtype)
+        if solved is not None and name in solved:
+            merged[name] = solved.take(name).to(target.dtype)
             continue
         merged[name] = _merge_tensor(params, name, t, target, readers, stored_name)
     for name, first in aliases.items():
@@ -351,8 +356,8 @@ def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor
     return out
 
 
-def _check_regmean(params: MergeParams, ctx: StepContext) -> None:
-    """regmean needs each model's own text; the other methods read weights only."""
+def _check_regmean(params: MergeParams, state: ModelState, ctx: StepContext) -> None:
+    """regmean needs each model's own text and positive weights; the other methods read weights only."""
     if params.method != "regmean":
         if params.alpha is not None:
             raise ParamError(("alpha",), f"`alpha` is regmean's; {params.method} has no Gram matrices")
@@ -367,32 +372,54 @@ def _check_regmean(params: MergeParams, ctx: StepContext) -> None:
                 "regmean fits each Linear to every model's own activations: give each model `data`, "
                 "text of its own domain (not what the merge is judged on)",
             )
-        if isinstance(model.weight, list):
-            raise ParamError(("models", index, "weight"), "regmean weighs a model as a whole: give a number")
+        _check_regmean_weight(model.weight, ("models", index, "weight"))
         ctx.resolve_text(f"merge-data-{index}", model.data, ("models", index, "data"))
-    if isinstance(params.weight, list):
-        raise ParamError(("weight",), "regmean weighs a model as a whole: give a number")
+    _check_regmean_weight(params.weight, ("weight",))
+    if params.normalize is False:  # the Linears' solve is a weighted mean: the other tensors must be one too
+        raise ParamError(("normalize",), "regmean's least-squares solve is normalised: drop `normalize: false`")
+    if params.lambda_ != 1.0:
+        raise ParamError(("lambda",), "`lambda` scales task vectors; regmean merges weights, not deltas from a base")
+    meta = _meta_state(state.config)
+    biased = sorted(  # a Linear's bias: a bias beside a matrix (norms' biases are averaged as usual)
+        name
+        for name in meta
+        if architecture.split_layer_name(name)
+        and name.endswith(".bias")
+        and len(meta.get(name.removesuffix(".bias") + ".weight", ())) == 2
+    )
+    if biased:  # X^T X fits W alone; a bias would need the inputs' sums too
+        raise ParamError(("method",), f"regmean fits Linear weights without biases; this model has {biased[0]}")
 
 
-def _regmean(params: MergeParams, patient: Patient, ctx: StepContext) -> tuple[dict, dict]:
-    """({weight name: merged tensor} for every decoder Linear, what was fitted on what)."""
+def _check_regmean_weight(weight: Setting | None, where: tuple) -> None:
+    if isinstance(weight, list):
+        raise ParamError(where, "regmean weighs a model as a whole: give a number")
+    if weight is not None and weight <= 0:
+        raise ParamError(where, f"regmean weighs each model's Gram matrices: give a weight above 0 (got {weight})")
+
+
+def _regmean(params: MergeParams, patient: Patient, ctx: StepContext) -> tuple[RegMeanSums | None, dict]:
+    """(the sums every merged decoder Linear is solved from, what was fitted on what); (None, {})
+    when `tensors` leaves no decoder Linear to fit."""
     names = decoder_linears(patient.model)
     if params.tensors:
         names = [n for n in names if matches(f"{n}.weight", params.tensors)]
-    sums = RegMeanSums(names, 0.9 if params.alpha is None else params.alpha)
+    if not names:
+        return None, {}
+    sums = RegMeanSums(names, REGMEAN_ALPHA if params.alpha is None else params.alpha)
     fitted = {}
     for index, entry in enumerate(params.models):
         started = time.perf_counter()
         files, windows = ctx.text_windows(f"merge-data-{index}", entry.data, patient.tokenizer)
         model = _model_of(entry.model, patient, ctx)
         weight = _value(entry.weight, params.weight, "", 0.0, 1.0)
-        sums.add(model, windows, weight)
+        sums.add(model, windows, weight, _label(entry.model, patient, ctx))
         del model
         seconds = time.perf_counter() - started
         text = describe_files(files)
         fitted[entry.model] = {"text": text, "tokens": windows.numel(), "seconds": round(seconds, 1)}
         log.info("regmean: %s on %d tokens of %s (%.1f s)", entry.model, windows.numel(), text, seconds)
-    return {f"{name}.weight": sums.solve(name) for name in names}, fitted
+    return sums, fitted
 
 
 def _model_of(name: str, patient: Patient, ctx: StepContext) -> torch.nn.Module:
@@ -402,12 +429,13 @@ def _model_of(name: str, patient: Patient, ctx: StepContext) -> torch.nn.Module:
 
 
 def _regmean_bytes(meta: dict[str, torch.Size]) -> int:
-    """An upper bound on regmean's memory: its fp32 sums (a product per decoder Linear, a Gram per
-    input) and the fp64 Grams of the model being run (Linears reading one tensor share theirs)."""
+    """An upper bound on regmean's memory: its sums (an fp32 product per decoder Linear, an fp64
+    Gram per input) and the fp64 Grams of the model being run, counted as if no two Linears shared
+    an input (q/k/v and gate/up do: the real figure is lower)."""
     total = 0
     for name, shape in meta.items():
-        if len(shape) == 2 and architecture.split_layer_name(name) and name.endswith("_proj.weight"):
-            total += shape.numel() * 4 + shape[1] * shape[1] * (4 + 8)
+        if len(shape) == 2 and architecture.split_layer_name(name):
+            total += shape.numel() * 4 + shape[1] * shape[1] * (8 + 8)
     return total
 
 
@@ -591,7 +619,7 @@ def mergekit_config(params: MergeParams, sources: dict, dtype: str) -> dict:
         config["surgeon_only"] = {"tensors": params.tensors, "note": "the other tensors are the base's"}
     if params.method == "regmean":
         config.setdefault("surgeon_only", {})["method"] = (
-            f"regmean (alpha {0.9 if params.alpha is None else params.alpha}) is not a mergekit method: "
+            f"regmean (alpha {REGMEAN_ALPHA if params.alpha is None else params.alpha}) is not a mergekit method: "
             "each decoder Linear solved by least squares on its models' own text, the rest averaged"
         )
     return config

@@ -29,7 +29,7 @@ class Method:
     """What a merge method does with task vectors (delta = model - base)."""
 
     name: str
-    uses_base: bool  # works on deltas from a base model (all but linear)
+    uses_base: bool  # works on deltas from a base model (all but linear and regmean)
     sparsify: str | None  # None, "magnitude" (TIES's trim) or "random" (DARE's drop-and-rescale)
     sign_consensus: bool  # TIES: keep only entries agreeing with the elected sign
     normalize: bool  # default: divide the summed deltas by the summed weights
@@ -174,16 +174,15 @@ def regularised_gram(gram: torch.Tensor, alpha: float) -> torch.Tensor:
     """RegMean's regularisation: the Gram matrix's off-diagonal entries scaled by `alpha` (1: plain
     least squares; 0: only each input's own scale, which makes the merge a per-column weighted
     average). Below 1 the sum stays well conditioned and the merge stays near the average."""
-    diagonal = torch.diagonal(gram).clone()
     out = gram * alpha
-    out.diagonal().copy_(diagonal)
+    out.diagonal().copy_(torch.diagonal(gram))
     return out
 
 
 def regmean_solve(products: torch.Tensor, grams: torch.Tensor, damp: float = 1e-6) -> torch.Tensor:
     """W = (sum_i W_i G_i) (sum_i G_i)^-1: `products` [out, in] = sum_i W_i G_i, `grams` [in, in] =
     sum_i G_i (symmetric). Solved in float64, with `damp` x the mean diagonal added for inputs that
-    never varied."""
+    never varied; the result in float32."""
     grams = grams.double()
     ridge = damp * torch.diagonal(grams).mean().clamp_min(_EPS)
     grams = grams + ridge * torch.eye(grams.shape[0], dtype=grams.dtype)
