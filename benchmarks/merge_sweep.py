@@ -29,21 +29,13 @@ HELD_OUT = {
     },
 }
 BOTH = ({"model": "austen"}, {"model": "shakespeare"})
-# RegMean's calibration: each fine-tune's own training books (recipes/merge/finetune-*.yaml), never the held-out ones.
-TRAINED_ON = {
-    "austen": [
-        str(TEXT / "austen" / f"{b}.txt")
-        for b in ("emma", "mansfieldpark", "northangerabbey", "prideprejudice", "sensesensibility")
-    ],
-    "shakespeare": [
-        str(TEXT / "shakespeare" / f"{p}.txt")
-        for p in (
-            "alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "cymbeline", "loves_labours_lost",
-            "measure_for_measure", "merchant_of_venice", "midsummer_nights_dream", "much_ado_about_nothing",
-            "tempest", "twelfth_night", "winters_tale",
-        )
-    ],
-}  # fmt: skip
+
+
+def _trained_on(domain: str) -> list[str]:
+    """The books recipes/merge/finetune-DOMAIN.yaml trains on: RegMean's calibration, never held out."""
+    recipe = ROOT / "recipes" / "merge" / f"finetune-{domain}.yaml"
+    text = yaml.safe_load(recipe.read_text())["steps"][0]["heal"]["data"]["sources"][0]["text"]
+    return [str((recipe.parent / t).resolve()) for t in ([text] if isinstance(text, str) else text)]
 
 
 def _models(**values) -> list[dict]:
@@ -51,7 +43,7 @@ def _models(**values) -> list[dict]:
 
 
 def _regmean(alpha: float, tokens: int) -> dict:
-    models = [{**m, "data": {"text": TRAINED_ON[m["model"]], "tokens": tokens}} for m in BOTH]
+    models = [{**m, "data": {"text": _trained_on(m["model"]), "tokens": tokens}} for m in BOTH]
     return {"method": "regmean", "alpha": alpha, "models": models}
 
 

@@ -182,10 +182,10 @@ class Merge(Operation):
             given += [("models", i, "density") for i, m in enumerate(params.models) if m.density is not None]
             if given:
                 raise ParamError(given[0], f"{params.method} keeps every delta entry: density is for ties and dare_*")
-        _check_regmean(params, state, ctx)
+        meta = _meta_state(state.config)
+        _check_regmean(params, meta, ctx)
         if params.tokenizer is not None:
             _check_known(params.tokenizer, ctx, ("tokenizer",))
-        meta = _meta_state(state.config)
         if params.tensors:
             bad = unmatched_patterns(meta, params.tensors)
             if bad:
@@ -356,7 +356,7 @@ def _merge_tensor(params, name, t, target, readers, stored_name) -> torch.Tensor
     return out
 
 
-def _check_regmean(params: MergeParams, state: ModelState, ctx: StepContext) -> None:
+def _check_regmean(params: MergeParams, meta: dict[str, torch.Size], ctx: StepContext) -> None:
     """regmean needs each model's own text and positive weights; the other methods read weights only."""
     if params.method != "regmean":
         if params.alpha is not None:
@@ -379,7 +379,6 @@ def _check_regmean(params: MergeParams, state: ModelState, ctx: StepContext) -> 
         raise ParamError(("normalize",), "regmean's least-squares solve is normalised: drop `normalize: false`")
     if params.lambda_ != 1.0:
         raise ParamError(("lambda",), "`lambda` scales task vectors; regmean merges weights, not deltas from a base")
-    meta = _meta_state(state.config)
     biased = sorted(  # a Linear's bias: a bias beside a matrix (norms' biases are averaged as usual)
         name
         for name in meta

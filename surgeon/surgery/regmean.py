@@ -38,6 +38,7 @@ class RegMeanSums:
         hessians = input_hessians(model, self.names, windows)
         tokens = windows.numel()
         first_of: dict[int, str] = {}
+        grams: dict[str, torch.Tensor] = {}  # this model's weighted Grams, one per input
         state = model.state_dict()
         for name in self.names:
             owner = first_of.setdefault(id(hessians[name]), name)
@@ -46,10 +47,10 @@ class RegMeanSums:
                     f"regmean: in '{label}' {name} reads the input of {owner}, in the first model that of "
                     f"{self.shared[name]}: the models do not compute alike"
                 )
-            gram = weight * regularised_gram(hessians[owner] / tokens, self.alpha)
             if owner == name:
-                _accumulate(self.grams, name, gram)
-            _accumulate(self.products, name, (state[f"{name}.weight"].double() @ gram).float())
+                grams[name] = weight * regularised_gram(hessians[name] / tokens, self.alpha)
+                _accumulate(self.grams, name, grams[name])
+            _accumulate(self.products, name, (state[f"{name}.weight"].double() @ grams[owner]).float())
         del hessians
         self.readers = {}
         for owner in self.shared.values():
