@@ -56,6 +56,26 @@ def test_sentence_count_works_offline():
     assert score(prompts, ["One. Two! Three?"])["per_prompt"][0]["strict"] == [True]
 
 
+def test_an_answer_scores_the_same_whatever_the_random_state():
+    """IFEval asks for the letter '#' in a few prompts; Google's check then draws a random letter
+    to count, so unseeded the same answer passed in one run and failed in the next."""
+    import random
+
+    prompts = [
+        IfevalPrompt(
+            key, "p", ("keywords:letter_frequency",), ({"let_relation": "at least", "letter": "#", "let_frequency": 4},)
+        )
+        for key in range(40)
+    ]
+    responses = ["#MovieMaker #Makers " * 3 + "a" * (key % 5) for key in range(40)]
+    results = []
+    for seed in (1, 2, 3):
+        random.seed(seed)
+        results.append([p["strict"] for p in score(prompts, responses)["per_prompt"]])
+        assert random.random() == random.Random(seed).random()  # the caller's random state is left as it was
+    assert results[0] == results[1] == results[2]
+
+
 @requires_shared_data
 def test_the_shared_prompts_load_and_every_instruction_has_a_check():
     from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT

@@ -12,12 +12,18 @@ they are not installed, `length_constraints:number_sentences` counts sentences w
 Punkt tokenizer given common English abbreviations, and `change_case:capital_word_frequency` splits
 words with the Treebank tokenizer alone (no sentence split first, which changes no upper-case
 count). The result records which was used.
+
+Reproducible scores: Google's `keywords:letter_frequency` check draws a random letter when the
+data's letter is not a-z (IFEval asks for '#' and '!' in a few prompts), and its other checks draw
+defaults the same way; each prompt is scored under Python's `random` seeded with its key (the
+caller's random state restored), so an answer scores the same in every run and process.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,19 +72,20 @@ def score(prompts: list[IfevalPrompt], responses: list[str]) -> dict:
 
     registry, punkt = _registry()
     per_prompt = []
-    for item, response in zip(prompts, responses, strict=True):
-        results, _ = evaluate_instructions(
-            response=response,
-            instruction_id_list=list(item.instruction_ids),
-            kwargs_list=[dict(k) for k in item.kwargs],
-            prompt=item.prompt,
-            instruction_registry=registry,
-        )
-        # An empty answer follows nothing: if-verifiable returns no results for it, which would drop
-        # its instructions from the instruction-level denominator.
-        strict = [r.strict_pass for r in results] or [False] * len(item.instruction_ids)
-        loose = [r.loose_pass for r in results] or [False] * len(item.instruction_ids)
-        per_prompt.append({"key": item.key, "strict": strict, "loose": loose, "response": response})
+    outside = random.getstate()
+    try:
+        for item, response in zip(prompts, responses, strict=True):
+            random.seed(item.key)  # what a check draws for itself is the same in every run
+            results, _ = evaluate_instructions(
+                response=response,
+                instruction_id_list=list(item.instruction_ids),
+                kwargs_list=[dict(k) for k in item.kwargs],
+                prompt=item.prompt,
+                instruction_registry=registry,
+            )
+            per_prompt.append(_passes(item, response, results))
+    finally:
+        random.setstate(outside)
     instructions = sum(len(p["strict"]) for p in per_prompt)
     metrics = {
         "prompt_strict": sum(all(p["strict"]) for p in per_prompt) / len(per_prompt),
@@ -91,6 +98,14 @@ def score(prompts: list[IfevalPrompt], responses: list[str]) -> dict:
     metrics["ifeval"] = (metrics["prompt_strict"] + metrics["inst_strict"]) / 2
     metrics["ifeval_loose"] = (metrics["prompt_loose"] + metrics["inst_loose"]) / 2
     return {"metrics": metrics, "punkt": punkt, "per_prompt": per_prompt}
+
+
+def _passes(item: IfevalPrompt, response: str, results) -> dict:
+    # An empty answer follows nothing: if-verifiable returns no results for it, which would drop
+    # its instructions from the instruction-level denominator.
+    strict = [r.strict_pass for r in results] or [False] * len(item.instruction_ids)
+    loose = [r.loose_pass for r in results] or [False] * len(item.instruction_ids)
+    return {"key": item.key, "strict": strict, "loose": loose, "response": response}
 
 
 def _registry() -> tuple[dict, str]:
