@@ -110,10 +110,14 @@ def test_greedy_output_is_token_identical_with_and_without_speculation(
         assert not draft.mirrors and draft.engine.blocks.num_free == len(draft.engine.blocks.blocks)
 
 
-def test_the_target_as_its_own_draft_is_always_accepted(tiny_llama):
-    llm = LLM(
-        str(tiny_llama), speculative={"method": "model", "draft": str(tiny_llama), "k": 3, "adaptive": False}, **SMALL
-    )
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_target_as_its_own_draft_is_always_accepted(compile, tiny_llama):
+    """Every proposal kept shows the draft's logits are right in each of its paths: the prompt's
+    prefill, the catch-up on the tokens a verification kept (a verification-shaped decode step),
+    and single-token rounds; compiled, the draft's engine is compiled with its target's."""
+    spec = {"method": "model", "draft": str(tiny_llama), "k": 3, "adaptive": False}
+    llm = LLM(str(tiny_llama), speculative=spec, compile=compile, **SMALL)
+    assert llm.speculator.draft.engine.runner.compiled == compile
     fast, done = outputs(llm, twenty_prompts()[:6])
     assert fast == outputs(LLM(str(tiny_llama), **SMALL), twenty_prompts()[:6])[0]
     assert all(d.speculation["accepted"] == d.speculation["proposed"] > 0 for d in done)
@@ -319,6 +323,32 @@ def test_k_positions_are_planned_in_order_and_within_room():
         planner.costs.observe(tokens, 0.030 + 0.002 * tokens + seconds)
     ks = planner.plan(seqs, [9, 2, 9])
     assert ks[0] == 5 and ks[1] <= 2 and ks[2] == 0 and ks[0] >= ks[1] >= ks[2]
+
+
+def test_a_compile_stall_does_not_price_a_draft_out_for_good():
+    """torch.compile's first call of a new shape takes seconds where a step takes milliseconds:
+    such a step is left out of the cost model, and a draft declined anyway is tried again."""
+    from surgeon.engine.sequence import Sequence
+    from surgeon.engine.speculative import Planner
+
+    planner = Planner(SpeculativeConfig(k=4), draft_costs_rounds=True)
+    seq = Sequence([1, 2, 3], GREEDY)
+    seq.spec.rate = 0.5
+    for tokens in (1, 1, 2, 3, 5, 1, 2):
+        planner.costs.observe(tokens, 0.025 + 0.0013 * tokens)
+    planner.costs.observe(3, 12.4)  # a compile
+    for seconds in (4.2, 0.006, 0.007):
+        planner.costs.observe_draft(1, seconds)
+    a, b = planner.costs.fit()
+    assert a == pytest.approx(0.025, rel=0.01) and b == pytest.approx(0.0013, rel=0.01)
+    assert planner.costs.draft_round == pytest.approx(0.007)
+    assert planner.plan([seq], [9])[0] >= 1  # a 7 ms draft round for a 25 ms step is worth it
+
+    planner.costs.draft_rounds.clear()
+    planner.costs.observe_draft(1, 4.2)  # only a stall measured: the draft is declined ...
+    plans = [planner.plan([seq], [9])[0] for _ in range(Planner.PROBE_EVERY)]
+    assert plans[:-1] == [0] * (Planner.PROBE_EVERY - 1)
+    assert plans[-1] == 1  # ... until one position is tried again, which re-measures it
 
 
 def test_the_server_reports_speculation_in_usage_and_answers_as_without_it(tiny_llama):

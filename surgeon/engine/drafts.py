@@ -98,9 +98,8 @@ class ModelDraft:
         for r in range(rounds):
             active = [(i, seq, mirror) for i, seq, mirror, k in work if k > r]
             chunks = [mirror.pending for _, _, mirror in active]
-            step = Scheduled(prefill=any(c > 1 for c in chunks), seqs=[m for *_, m in active], chunks=chunks)
             with Timer(self.engine.device) as timer:
-                logits = self.engine.runner.run(step)
+                logits = self._run([m for *_, m in active], chunks)
             if max(chunks) <= 2:  # what a round costs once caught up (a first prefill is paid once)
                 self.round_seconds.append(timer.seconds)
             for (i, seq, mirror), chunk, row in zip(active, chunks, logits, strict=True):
@@ -114,6 +113,18 @@ class ModelDraft:
             if rows:
                 proposals[i].probs = torch.stack(rows)
         return proposals
+
+    def _run(self, mirrors: list[Sequence], chunks: list[int]) -> torch.Tensor:
+        """Logits after each mirror's last token. Catching up on the few tokens a verification
+        kept runs as a verification-shaped decode step (the decode path, compiled when the engine
+        is) and keeps each chunk's last row; only a mirror's first, prompt-long chunk is a prefill."""
+        if max(chunks) == 1:
+            return self.engine.runner.run(Scheduled(prefill=False, seqs=mirrors, chunks=chunks))
+        if any(m.computed == 0 for m in mirrors) or max(chunks) > self.config.k + 1:
+            return self.engine.runner.run(Scheduled(prefill=True, seqs=mirrors, chunks=chunks))
+        rows = self.engine.runner.run(Scheduled(prefill=False, seqs=mirrors, chunks=chunks, verify=True))
+        last = torch.tensor(chunks, device=rows.device).cumsum(0) - 1
+        return rows[last]
 
     def _sync(self, seq: Sequence, k: int) -> Sequence | None:
         """The mirror of `seq`, rolled back to the tokens the two share and given blocks for k

@@ -157,6 +157,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 kv_cache_tokens=cache_tokens,
                 prefix_caching=False,
+                compile=self.runner.compiled,  # a draft's rounds are decode steps: cheap only compiled alike
             )
         return Speculator(config, draft, self.runner, self.blocks, self.max_model_len, self.device)
 

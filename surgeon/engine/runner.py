@@ -26,6 +26,7 @@ class ModelRunner:
         # Decode steps are many and alike: compiled, their small ops fuse and the per-op overhead
         # that dominates a CPU decode step goes. Prefill steps vary in shape and stay eager.
         self.decode_forward = torch.compile(model.forward, dynamic=True) if compile else model.forward
+        self.compiled = compile
         self.block_size, self.device = block_size, device
         config = model.config
         for layer in model.layers:

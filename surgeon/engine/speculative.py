@@ -21,6 +21,7 @@ speculates eagerly and under a compute-bound batch it backs off.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,26 +89,35 @@ class Proposal:
 
 class StepCosts:
     """Seconds per target step as a + b * tokens, fitted over recent steps (least squares), and
-    the draft's seconds per proposing round."""
+    the draft's seconds per proposing round (the median of recent rounds). A step that took far
+    longer than is usual (torch.compile compiling a new shape: seconds, against milliseconds) is
+    left out of both, or one compile would price speculation out for a long while."""
+
+    OUTLIER = 5.0  # times the median step
 
     def __init__(self, window: int = 64):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self.draft_round: float | None = None
+        self.draft_rounds: deque[float] = deque(maxlen=16)
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.samples.append((tokens, seconds))
 
     def observe_draft(self, rounds: int, seconds: float) -> None:
         if rounds:
-            per = seconds / rounds
-            self.draft_round = per if self.draft_round is None else 0.8 * self.draft_round + 0.2 * per
+            self.draft_rounds.append(seconds / rounds)
+
+    @property
+    def draft_round(self) -> float | None:
+        return statistics.median(self.draft_rounds) if self.draft_rounds else None
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b), or None before there is anything to fit."""
         if not self.samples:
             return None
-        xs = [t for t, _ in self.samples]
-        ys = [s for _, s in self.samples]
+        usual = self.OUTLIER * statistics.median(s for _, s in self.samples)
+        kept = [(t, s) for t, s in self.samples if s <= usual]
+        xs = [t for t, _ in kept]
+        ys = [s for _, s in kept]
         mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
         spread = sum((x - mean_x) ** 2 for x in xs)
         if spread == 0:
@@ -124,10 +134,13 @@ class Planner:
     """Draft tokens per sequence for one step: positions are added, best expected gain first,
     while they raise expected tokens per second."""
 
+    PROBE_EVERY = 32  # steps a model draft may sit idle before one position is tried again
+
     def __init__(self, config: SpeculativeConfig, draft_costs_rounds: bool):
         self.config = config
         self.costs = StepCosts()
         self.draft_costs_rounds = draft_costs_rounds  # a model draft pays per round, an n-gram nothing
+        self.idle = 0  # steps since a model draft last ran
 
     def plan(self, seqs: list[Sequence], room: list[int]) -> list[int]:
         """k per sequence, each at most `room[i]` (tokens it may still emit, minus the one the
@@ -158,6 +171,20 @@ class Planner:
             rounds = max(rounds, j)
             tokens += gain
             seconds += cost
+        return self._probe(ks, limits, seqs)
+
+    def _probe(self, ks: list[int], limits: list[int], seqs: list[Sequence]) -> list[int]:
+        """A declined model draft is never timed or checked again, so an estimate made on a bad
+        step (a compile, a busy machine) would stand for good: every PROBE_EVERY idle steps the
+        likeliest sequence proposes one token, which re-measures both."""
+        if not self.draft_costs_rounds or any(ks) or not any(limits):
+            self.idle = 0
+            return ks
+        self.idle += 1
+        if self.idle >= self.PROBE_EVERY:
+            self.idle = 0
+            best = max((i for i, limit in enumerate(limits) if limit), key=lambda i: seqs[i].spec.rate)
+            ks[best] = 1
         return ks
 
 
