@@ -117,7 +117,8 @@ class ModelDraft:
     def _run(self, mirrors: list[Sequence], chunks: list[int]) -> torch.Tensor:
         """Logits after each mirror's last token. Catching up on the few tokens a verification
         kept runs as a verification-shaped decode step (the decode path, compiled when the engine
-        is) and keeps each chunk's last row; only a mirror's first, prompt-long chunk is a prefill."""
+        is) and keeps each chunk's last row. A mirror's first, prompt-long chunk, or one that fell
+        more than k + 1 tokens behind (its sequence proposed nothing for a while), is a prefill."""
         if max(chunks) == 1:
             return self.engine.runner.run(Scheduled(prefill=False, seqs=mirrors, chunks=chunks))
         if any(m.computed == 0 for m in mirrors) or max(chunks) > self.config.k + 1:

@@ -89,9 +89,10 @@ class Proposal:
 
 class StepCosts:
     """Seconds per target step as a + b * tokens, fitted over recent steps (least squares), and
-    the draft's seconds per proposing round (the median of recent rounds). A step that took far
-    longer than is usual (torch.compile compiling a new shape: seconds, against milliseconds) is
-    left out of both, or one compile would price speculation out for a long while."""
+    the draft's seconds per proposing round (the median of recent rounds). A target step far longer
+    than is usual (torch.compile compiling a new shape: seconds, against milliseconds) is left out of
+    the fit, and the median keeps such a draft round from setting the round's cost; otherwise one
+    compile would price speculation out for a long while."""
 
     OUTLIER = 5.0  # times the median step
 
