@@ -118,6 +118,57 @@ def test_attention_flops_count_every_query_key_pair():
     assert attention_flops(3, 1, 2, 8, settings) == dense * 6 // 55  # shorter than k: dense
 
 
+def test_the_warm_up_cache_gives_the_live_models_indexer_loss():
+    """The warm-up trains on cached dense states instead of running the LM each step: on the same
+    windows its loss (and gradient) must be the one the dense model computes live."""
+    from surgeon.modeling.sparse_attention import mean_indexer_loss
+    from surgeon.training.indexer import _CachedIndexerBody, capture_dense_states, indexer_mode
+
+    _, sparse = _sparse_pair(top_k=4)
+    torch.manual_seed(1)
+    for name, param in sparse.named_parameters():  # random indexers: the loss far from zero
+        if ".indexer.w" in name:
+            param.data.normal_(0, 0.5)
+    windows = torch.randint(0, sparse.config.vocab_size, (3, 24))
+    rows = torch.tensor([2, 0])
+
+    with indexer_mode(sparse, dense=True, loss=True) as modules:
+        sparse.model(input_ids=windows[rows], use_cache=False)
+        live = mean_indexer_loss(modules)
+        live_grad = torch.autograd.grad(live, sparse.model.layers[1].self_attn.indexer.wq.weight)[0]
+    assert live.item() > 0.1
+    weight = sparse.model.layers[1].self_attn.indexer.wq.weight
+
+    def cached_loss(dtype):  # what a warm-up step backpropagates, layer by layer
+        body = _CachedIndexerBody(sparse, capture_dense_states(sparse, windows, dtype))
+        return torch.stack([body(rows, layer) for layer in range(len(modules))]).mean()
+
+    exact = cached_loss(torch.float32)
+    torch.testing.assert_close(exact, live)
+    torch.testing.assert_close(torch.autograd.grad(exact, weight)[0], live_grad)
+    # The recipe's bf16 cache: the same loss to about three significant digits.
+    torch.testing.assert_close(cached_loss(torch.bfloat16), live, rtol=1e-2, atol=1e-3)
+
+
+def test_a_warm_up_cache_over_budget_is_refused_at_plan(write_recipe, tiny_llama, text_dir):
+    recipe = write_recipe(f"""
+        name: big-cache
+        base: {tiny_llama}
+        steps:
+          - sparse_attention:
+              top_k: 8
+              sinks: 1
+              window: 1
+              warmup:
+                data: {{text: {text_dir / "calibration.txt"}, tokens: 1024, window: 64}}
+                steps: 1
+                cache_gb: 1.0e-6
+        """)
+    with pytest.raises(RecipeError, match=r"16 windows of 64 tokens on 6 layers: .* over cache_gb 1e-06") as caught:
+        plan_recipe(load_recipe(recipe))
+    assert f"{recipe}:11" in str(caught.value)  # the cache_gb line
+
+
 def _dsa_recipe(write_recipe, base, text_dir, heal_steps: int = 12) -> str:
     data = f"{{text: {text_dir / 'calibration.txt'}, tokens: 1024, window: 64}}"
     heldout = f"{{text: {text_dir / 'heldout.txt'}, tokens: 256, window: 64}}"

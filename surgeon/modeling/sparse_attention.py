@@ -72,6 +72,20 @@ class LightningIndexer(nn.Module):
         return (logits.relu() * weights[..., None]).sum(dim=2)
 
 
+def attention_target(weights: torch.Tensor) -> torch.Tensor:
+    """[B, T, S] fp32: attention probabilities [B, H, T, S] summed over heads, L1-normalised per query:
+    what the indexer learns to predict (one selection serves every head)."""
+    target = weights.float().sum(dim=1)
+    return target / target.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
+def indexer_kl(scores: torch.Tensor, target: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of KL(target || softmax(scores)), both over `keys` only ([B, T, S] bool)."""
+    logp = scores.masked_fill(~keys, -math.inf).log_softmax(-1)
+    terms = torch.where(keys, target * (target.clamp_min(1e-12).log() - logp), 0.0)
+    return terms.sum(-1).mean()
+
+
 def select_keys(scores: torch.Tensor, visible: torch.Tensor, offset: int, settings: SparseSettings) -> torch.Tensor:
     """[B, T, S] bool: each query's selected keys. `visible` says which keys a query may see at all
     (causal and padding); query t sits at key position offset + t."""
@@ -144,12 +158,9 @@ class SparseAttention:
         if self.want_loss or self.want_recall:
             if weights is None:
                 raise RuntimeError("indexer training needs the attention weights: run with attn_implementation eager")
-            target = weights.detach().float().sum(dim=1)
-            target = target / target.sum(-1, keepdim=True).clamp_min(1e-12)
+            target = attention_target(weights.detach())
             if self.want_loss:
-                logp = scores.masked_fill(~chosen, -math.inf).log_softmax(-1)
-                terms = torch.where(chosen, target * (target.clamp_min(1e-12).log() - logp), 0.0)
-                self.indexer_loss = terms.sum(-1).mean()
+                self.indexer_loss = indexer_kl(scores, target, chosen)
             if self.want_recall:
                 picked = select_keys(scores, visible, offset, self.sparse)
                 long = visible.sum(-1) > self.sparse.top_k

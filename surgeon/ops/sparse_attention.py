@@ -25,7 +25,7 @@ from ..recipe.patient import Patient, Provenance
 from ..recipe.step import ModelState, Operation, StepContext, register
 from ..surgery import architecture
 from ..text import TextData, describe_files
-from ..training.indexer import WarmupSpec, measure_recall, warm_up
+from ..training.indexer import WarmupSpec, cache_bytes, measure_recall, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,11 @@ class SparsifyAttention(Operation):
         layers = expand_layers(params.layers, config.num_hidden_layers, ("layers",)) if params.layers else None
         if params.recall is not None:
             ctx.resolve_text("recall", params.recall, ("recall",))
-        if params.warmup is not None:
-            ctx.resolve_text("warmup", params.warmup.data, ("warmup", "data"))
         new = sparse_config(config, params, layers)
         n_layers = len(new.sparse_layers())
+        if params.warmup is not None:
+            ctx.resolve_text("warmup", params.warmup.data, ("warmup", "data"))
+            cache = _check_cache(params.warmup, n_layers, config.hidden_size)
         saved = ", ".join(
             f"{n // 1024}K {1 - ratio:.0%}" if n >= 1024 else f"{n} {1 - ratio:.0%}"
             for n, ratio in flop_ratios(new).items()
@@ -95,7 +96,7 @@ class SparsifyAttention(Operation):
             f"indexer {params.index_heads}x{params.index_dim}; attention FLOPs saved: {saved}"
         )
         if params.warmup is not None:
-            note += f"; indexer warm-up {params.warmup.steps} steps"
+            note += f"; indexer warm-up {params.warmup.steps} steps on {cache / 2**30:.3g} GB of cached dense states"
         return ModelState(new, state.dtype), note
 
     def apply(self, params: SparseAttentionParams, patient: Patient, ctx: StepContext) -> Patient:
@@ -164,6 +165,20 @@ class SparsifyAttention(Operation):
             details=details,
         )
         return patient.with_model(sparse, entry)
+
+
+def _check_cache(spec: WarmupSpec, layers: int, hidden: int) -> int:
+    """The warm-up cache's size in bytes (at most: the text may hold fewer windows), refused over budget."""
+    data = spec.data
+    windows = max(1, data.tokens // data.window)
+    needed = cache_bytes(layers, windows, data.window, hidden)
+    if needed > spec.cache_gb * 2**30:
+        raise ParamError(
+            ("warmup", "cache_gb"),
+            f"the warm-up caches the dense states of {windows} windows of {data.window} tokens on {layers} "
+            f"layers: {needed / 2**30:.3g} GB, over cache_gb {spec.cache_gb:g}; lower data.tokens or raise cache_gb",
+        )
+    return needed
 
 
 def sparse_config(config, params: SparseAttentionParams, layers: list[int] | None) -> SurgeonSparseLlamaConfig:

@@ -2,6 +2,10 @@
 
 Stage 1, `warm_up`: selection off (the layers attend densely), the LM frozen; each indexer learns
 KL(head-summed, L1-normalised attention of its layer || softmax of its scores) over all visible keys.
+With the LM frozen and selection off, every layer sees exactly the parent's states whatever the
+indexers do, so the model runs once over the warm-up windows and each layer's attention input and
+attention target are cached (bf16); the steps then train the indexers on that cache without running
+the LM, which makes a step several times cheaper and a longer warm-up affordable.
 Stage 2 is the heal step with selection on: the LM is distilled from the dense parent while each
 indexer keeps learning the same KL restricted to the keys it selected (`indexer_mode(dense=False, loss=True)`).
 Both read the layer's attention probabilities, so the model runs with eager attention meanwhile.
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..modeling.sparse_attention import mean_indexer_loss, sparse_modules
+from ..modeling.sparse_attention import attention_target, indexer_kl, sparse_modules
 from ..text import TextData
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .loop import EvalSpec, OptimSpec
@@ -40,15 +44,18 @@ class WarmupSpec(BaseModel):
     log_every: int = Field(5, gt=0)
     precision: str = Field("auto", pattern="^(auto|fp32|bf16|fp16)$")
     seed: int = 0
+    # The cache holds, per sparse layer and window, the attention input [T, hidden] and target [T, T].
+    cache_gb: float = Field(6.0, gt=0)
 
 
 @contextmanager
-def indexer_mode(model, *, dense: bool, loss: bool = False, recall: bool = False):
-    """Set every sparse layer's flags (and eager attention, whose probabilities the losses read)."""
+def indexer_mode(model, *, dense: bool, loss: bool = False, recall: bool = False, weights: bool = False):
+    """Set every sparse layer's flags (and eager attention, whose probabilities the losses read, or
+    the caller with `weights`)."""
     modules = sparse_modules(model)
     config = model.config
     saved = config._attn_implementation
-    if loss or recall:
+    if loss or recall or weights:
         config._attn_implementation = "eager"
     for module in modules:
         module.dense, module.want_loss, module.want_recall = dense, loss, recall
@@ -66,16 +73,72 @@ def indexer_parameters(model) -> dict[str, torch.nn.Parameter]:
     return {name: param for name, param in model.named_parameters() if ".indexer." in name}
 
 
-class _IndexerBody(torch.nn.Module):
-    """The LM's forward for the indexer losses alone (its output is not needed)."""
+DenseStates = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
-    def __init__(self, model):
+
+def cache_bytes(layers: int, windows: int, length: int, hidden: int) -> int:
+    """Bytes `capture_dense_states` holds: bf16 inputs [T, hidden] and targets [T, T] per layer and window."""
+    return layers * windows * length * (hidden + length) * 2
+
+
+@torch.no_grad()
+def capture_dense_states(model, windows: torch.Tensor, dtype=torch.bfloat16) -> DenseStates:
+    """Per sparse layer: its attention's input states [N, T, hidden] and head-summed, normalised dense
+    attention [N, T, T] over `windows` [N, T], with selection off (the parent's attention); kept in
+    `dtype` on the CPU."""
+    modules = sparse_modules(model)
+    n, length = windows.shape
+    states = {
+        m.layer_idx: (
+            torch.empty(n, length, model.config.hidden_size, dtype=dtype),
+            torch.empty(n, length, length, dtype=dtype),
+        )
+        for m in modules
+    }
+    row = 0
+
+    def keep_input(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        states[module.layer_idx][0][row] = hidden[0].cpu()
+
+    def keep_target(module, args, kwargs, output):
+        states[module.layer_idx][1][row] = attention_target(output[1])[0].cpu()
+
+    hooks = [m.register_forward_pre_hook(keep_input, with_kwargs=True) for m in modules]
+    hooks += [m.register_forward_hook(keep_target, with_kwargs=True) for m in modules]
+    was_training = model.training
+    model.eval()
+    try:
+        with indexer_mode(model, dense=True, weights=True):
+            for row in range(n):
+                model.model(input_ids=windows[row : row + 1].to(model.device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return states
+
+
+class _CachedIndexerBody(torch.nn.Module):
+    """One sparse layer's warm-up indexer KL on cached windows `rows` (no LM forward). The layers'
+    indexers are independent, so a step backpropagates layer by layer: one small graph at a time."""
+
+    def __init__(self, model, states: DenseStates):
         super().__init__()
         self.model = model
+        self.states = states
+        self.layers = {module.layer_idx: module for module in sparse_modules(model)}
 
-    def forward(self, input_ids):
-        self.model.model(input_ids=input_ids, use_cache=False)
-        return mean_indexer_loss(sparse_modules(self.model))
+    def forward(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        device, indexer = self.model.device, self.layers[layer].indexer
+        inputs, targets = self.states[layer]
+        with torch.autocast(device.type, enabled=False):  # the indexer runs in fp32, as in the model
+            hidden, target = inputs[rows].to(device).float(), targets[rows].to(device).float()
+            batch, length = hidden.shape[:2]
+            positions = torch.arange(length, device=device)[None].expand(batch, -1)
+            scores = indexer.scores(hidden, positions, indexer.keys(hidden, positions))
+            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
+            return indexer_kl(scores, target / target.sum(-1, keepdim=True), causal)
 
 
 def warm_up(
@@ -88,48 +151,54 @@ def warm_up(
     resume: bool,
     run_digest: str,
 ) -> LoopResult:
+    windows = torch.cat([train_ids, heldout_ids])
     accelerator, precision = make_accelerator(spec)
     trainable = indexer_parameters(model)
     for param in model.parameters():
         param.requires_grad_(False)
+    states = capture_dense_states(model, windows)
+    train_rows = train_ids.shape[0]
     for param in trainable.values():
         param.requires_grad_(True)
     result = LoopResult(precision=precision)
     model.train()
 
+    layers = sorted(states)
+
     def one_step(body, step: int):
-        total = 0.0
+        # The loss is the mean over layers of each layer's KL, as a live warm-up computes it.
+        total, share = 0.0, 1 / (spec.grad_accum * len(layers))
         for micro in range(spec.grad_accum):
-            ids = train_ids[batch_indices(step, micro, spec, train_ids.shape[0], accelerator)].to(accelerator.device)
-            with accelerator.autocast():
-                loss = body(ids)
-            accelerator.backward(loss / spec.grad_accum)
-            total += loss.item() / spec.grad_accum
+            rows = batch_indices(step, micro, spec, train_rows, accelerator)
+            for layer in layers:
+                loss = body(rows, layer)
+                accelerator.backward(loss * share)
+                total += loss.item() * share
         return {"loss": total, "kl": total}, spec.batch_size * spec.grad_accum * train_ids.shape[1]
 
     @torch.no_grad()
     def evaluate(body):
         if not heldout_ids.shape[0]:
             return None
-        losses = [body(heldout_ids[i : i + 1].to(accelerator.device)).item() for i in range(heldout_ids.shape[0])]
+        rows = range(train_rows, windows.shape[0])
+        losses = [body(torch.tensor([row]), layer).item() for row in rows for layer in layers]
         return {"indexer_kl": sum(losses) / len(losses)}
 
     try:
-        with indexer_mode(model, dense=True, loss=True):
-            drive(
-                spec,
-                accelerator,
-                trainable,
-                _IndexerBody(model),
-                result=result,
-                checkpoint_dir=checkpoint_dir,
-                resume=resume,
-                run_digest=run_digest,
-                one_step=one_step,
-                evaluate=evaluate,
-                metric="indexer_kl",
-                desc="indexer warm-up",
-            )
+        drive(
+            spec,
+            accelerator,
+            trainable,
+            _CachedIndexerBody(model, states),
+            result=result,
+            checkpoint_dir=checkpoint_dir,
+            resume=resume,
+            run_digest=run_digest,
+            one_step=one_step,
+            evaluate=evaluate,
+            metric="indexer_kl",
+            desc="indexer warm-up",
+        )
     finally:
         model.eval()
         for param in trainable.values():
