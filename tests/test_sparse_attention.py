@@ -191,7 +191,6 @@ def _dsa_recipe(write_recipe, base, text_dir, heal_steps: int = 12) -> str:
                 batch_size: 4
                 optimizer: {{lr: 1.0e-2, warmup_steps: 2}}
                 eval: {{every: 15}}
-                precision: fp32
           - evaluate: {{data: {heldout}, name: warmed up}}
           - heal:
               data:

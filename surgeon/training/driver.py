@@ -66,12 +66,14 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         return "fp32"
 
 
-def make_accelerator(spec):
-    """(Accelerator, precision) for a heal loop: DDP or one process, mixed precision where it pays."""
+def make_accelerator(spec, precision: str | None = None):
+    """(Accelerator, precision) for a heal loop: DDP or one process, mixed precision where it pays
+    (`spec.precision` unless the caller fixes `precision`)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    precision = resolve_precision(spec.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = resolve_precision(precision or spec.precision, device)
     AcceleratorState._reset_state()  # a second heal step in this process may use another precision
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(), mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]

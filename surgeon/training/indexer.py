@@ -42,7 +42,6 @@ class WarmupSpec(BaseModel):
     eval: EvalSpec = EvalSpec()
     checkpoint_every: int = Field(50, gt=0)
     log_every: int = Field(5, gt=0)
-    precision: str = Field("auto", pattern="^(auto|fp32|bf16|fp16)$")
     seed: int = 0
     # The cache holds, per sparse layer and window, the attention input [T, hidden] and target [T, T].
     cache_gb: float = Field(6.0, gt=0)
@@ -152,7 +151,8 @@ def warm_up(
     run_digest: str,
 ) -> LoopResult:
     windows = torch.cat([train_ids, heldout_ids])
-    accelerator, precision = make_accelerator(spec)
+    # fp32: the indexers compute in fp32 (as in the model) and the LM never runs in a step.
+    accelerator, precision = make_accelerator(spec, precision="fp32")
     trainable = indexer_parameters(model)
     for param in model.parameters():
         param.requires_grad_(False)
