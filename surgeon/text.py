@@ -34,6 +34,10 @@ class TextData(BaseModel):
     def patterns(self) -> list[str]:
         return [self.text] if isinstance(self.text, str) else list(self.text)
 
+    def n_windows(self) -> int:
+        """How many windows the `tokens` budget asks for (at least one; the text may hold fewer)."""
+        return max(1, self.tokens // self.window)
+
 
 def resolve_text_files(data: TextData, base_dir: Path) -> list[Path]:
     return resolve_files(data.text, base_dir, "text")
@@ -76,7 +80,7 @@ def token_windows(tokenizer, files: list[Path], data: TextData) -> torch.Tensor:
     use_bos = data.bos if data.bos is not None else bos_id is not None
     if use_bos and bos_id is None:
         raise DataError("bos: true, but the tokenizer defines no BOS token")
-    n_windows = max(1, data.tokens // data.window)
+    n_windows = data.n_windows()
     per_window = data.window - (1 if use_bos else 0)
     shares = [n_windows // len(files) + (1 if i < n_windows % len(files) else 0) for i in range(len(files))]
     rows: list[torch.Tensor] = []

@@ -170,7 +170,7 @@ class SparsifyAttention(Operation):
 def _check_cache(spec: WarmupSpec, layers: int, hidden: int) -> int:
     """The warm-up cache's size in bytes (at most: the text may hold fewer windows), refused over budget."""
     data = spec.data
-    windows = max(1, data.tokens // data.window)
+    windows = data.n_windows()
     needed = cache_bytes(layers, windows, data.window, hidden)
     if needed > spec.cache_gb * 2**30:
         raise ParamError(

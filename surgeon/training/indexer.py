@@ -137,7 +137,8 @@ class _CachedIndexerBody(torch.nn.Module):
             positions = torch.arange(length, device=device)[None].expand(batch, -1)
             scores = indexer.scores(hidden, positions, indexer.keys(hidden, positions))
             causal = torch.ones(length, length, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
-            return indexer_kl(scores, target / target.sum(-1, keepdim=True), causal)
+            target = target / target.sum(-1, keepdim=True)  # rows summed to 1 before the bf16 rounding
+            return indexer_kl(scores, target, causal)
 
 
 def warm_up(
@@ -157,13 +158,11 @@ def warm_up(
     for param in model.parameters():
         param.requires_grad_(False)
     states = capture_dense_states(model, windows)
-    train_rows = train_ids.shape[0]
+    layers, train_rows = sorted(states), train_ids.shape[0]
     for param in trainable.values():
         param.requires_grad_(True)
     result = LoopResult(precision=precision)
     model.train()
-
-    layers = sorted(states)
 
     def one_step(body, step: int):
         # The loss is the mean over layers of each layer's KL, as a live warm-up computes it.
