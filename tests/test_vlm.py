@@ -234,3 +234,47 @@ def test_only_image_parts_make_image_slots(tokenizer_dir, how):
         == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     )
     assert image not in processor.text_ids("a typed <image> in a plain prompt")
+
+
+def test_the_shared_prompt_opening_runs_once_and_changes_no_loss_or_gradient(processor):
+    from surgeon.training.vision_loop import AnswerLoss, shifted_targets
+    from surgeon.vision.processor import collate
+    from surgeon.vision.synthetic import SyntheticQuestions
+
+    model = tiny_vlm()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("projector."))
+    records = list(SyntheticQuestions(seed=2, size=32, kinds=("colour", "count")).examples("train", 4))
+    encoded = [processor.encode(r) for r in records]
+    batch = collate(encoded, pad_id=2)
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "targets": shifted_targets(batch["input_ids"], [e.mask for e in encoded]),
+        "pixel_values": batch["pixel_values"],
+    }
+    shared = AnswerLoss(model)
+    start, cache = shared.prefix.split(
+        model.language_model, inputs["input_ids"], inputs["attention_mask"], inputs["targets"]
+    )
+    assert 0 < start < inputs["input_ids"].tolist()[0].index(model.config.image_token_id) + 1 and cache is not None
+
+    def loss_and_grad(body):
+        model.zero_grad()
+        loss, correct, scored = body(**inputs)
+        loss.backward()
+        return loss.detach(), correct, scored.sum(1), model.projector.proj[0].weight.grad.clone()
+
+    whole = AnswerLoss(model)
+    whole.prefix.split = lambda *args: (0, None)
+    for got, want in zip(loss_and_grad(shared), loss_and_grad(whole)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(shared.prefix._states) == 1  # computed once, reused by the second call
+    loss_and_grad(shared)
+    assert len(shared.prefix._states) == 1
+
+    model.language_model.model.layers[0].mlp.down_proj.weight.requires_grad_(True)  # a trained LM layer
+    assert (
+        shared.prefix.split(model.language_model, inputs["input_ids"], inputs["attention_mask"], inputs["targets"])[0]
+        == 0
+    )

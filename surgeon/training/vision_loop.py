@@ -3,8 +3,9 @@
 There is no teacher: the parent LM has never seen an image. What trains is the projector, and
 optionally tower blocks or LoRA on the LM; everything else is frozen. With the tower frozen its
 outputs never change, so they are computed once for every image (and shared by all epochs):
-a step is then the LM forward and backward only. Logits are computed at the answer positions
-only, since nothing else is scored. The step loop (checkpoints, `--resume`, early stopping on
+a step is then the LM forward and backward only, and with the LM frozen too, only from the end of
+the chat template's opening, which every question shares (shared_prefix.py). Logits are computed
+at the answer positions only, since nothing else is scored. The step loop (checkpoints, `--resume`, early stopping on
 the held-out answer loss) is driver.py's, as for text.
 """
 
@@ -18,6 +19,7 @@ import torch
 from ..vision.features import tower_features
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .loop import LoopSpec
+from .shared_prefix import SharedPrefix
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +31,21 @@ class AnswerLoss(torch.nn.Module):
     def __init__(self, vlm):
         super().__init__()
         self.vlm = vlm
+        self.prefix = SharedPrefix(vlm.config.image_token_id)
 
     def forward(self, input_ids, attention_mask, targets, pixel_values=None, tower_tokens=None):
         vlm = self.vlm
         embeds = vlm.embed(input_ids, pixel_values, tower_tokens)
         lm = vlm.language_model
         base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-        hidden = base.model(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        start, cache = self.prefix.split(base, input_ids, attention_mask, targets)
+        hidden = base.model(
+            inputs_embeds=embeds[:, start:],
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=cache is not None,
+        ).last_hidden_state
+        targets = targets[:, start:]
         scored = targets != -100
         logits = base.get_output_embeddings()(hidden[scored]).float()
         cap = getattr(base.config, "final_logit_softcapping", None)
