@@ -238,6 +238,21 @@ def test_other_styles_draw_the_same_scenes_another_way(style):
     assert again.render(again.scene("heldout", 5)).tobytes() == other.render(other.scene("heldout", 5)).tobytes()
 
 
+def test_varied_scenes_include_flat_white_tinted_and_noisy_backgrounds():
+    """A frozen CNN's colour features moved with pixel noise and flat white backgrounds that plain
+    scenes never have (the second renderer showed it), so training variety includes both."""
+    varied = SyntheticQuestions(seed=4, size=96, kinds=("colour", "shape", "count"), style="varied")
+    white = tinted = noisy = 0
+    for index in range(80):
+        pixels = np.asarray(varied.render(varied.scene("train", index)), dtype=float)
+        corner = pixels[:6, :6].reshape(-1, 3)  # background: shapes lie inside the canvas' margins
+        white += bool((corner == 255).all())
+        red, green, _ = corner.mean(0)
+        tinted += bool(abs(red - green) > 8)  # plain backgrounds have red = green
+        noisy += bool(corner.std(0).max() > 1.5)
+    assert white >= 8 and tinted >= 8 and noisy >= 20, (white, tinted, noisy)
+
+
 def test_the_second_renderer_is_for_measurement_only(tmp_path, capsys):
     from pydantic import ValidationError
 

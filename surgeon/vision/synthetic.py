@@ -8,9 +8,9 @@ named shape is on) and a short rendered word. Example i of a split is a pure fun
 
 Styles draw the same scene three ways: `plain` (a square canvas, flat colours, upright shapes),
 `varied` (for training: other canvas sizes and aspect ratios, colours jittered, shapes turned and
-sometimes outlined, gradient backgrounds, a little blur) and `second` (second_renderer.py: other
-drawing code, for measurement only), so a graft can be trained on variety and judged on drawings
-it never saw.
+sometimes outlined, gradient, white or tinted backgrounds, a little blur or pixel noise) and
+`second` (second_renderer.py: other drawing code, for measurement only), so a graft can be
+trained on variety and judged on drawings it never saw.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 from .second_renderer import render_second
@@ -190,12 +191,18 @@ def _draw_shape(draw: ImageDraw.ImageDraw, item: dict) -> None:
 
 def _render_varied(scene: Scene, size: int) -> Image.Image:
     """The scene with its look varied (for training): the canvas stretched to another size and
-    aspect ratio, a vertical gradient behind, colours jittered, squares and triangles turned,
-    some shapes outlined, some images softened."""
+    aspect ratio, a vertical gradient behind (or flat white, or any light tint), colours jittered,
+    squares and triangles turned, some shapes outlined, some images softened, some noisy."""
     rng = random.Random(f"surgeon-varied:{scene.key}")
     width, height = (int(size * rng.uniform(0.7, 1.45)) for _ in range(2))
     sx, sy = width / size, height / size
-    top, bottom = scene.background, tuple(min(255, max(190, c + rng.randint(-30, 15))) for c in scene.background)
+    backdrop = rng.random()
+    if backdrop < 0.25:  # pure white
+        top = bottom = (255, 255, 255)
+    elif backdrop < 0.5:  # any light tint, not only the plain style's
+        top, bottom = (tuple(rng.randint(200, 255) for _ in range(3)) for _ in range(2))
+    else:
+        top, bottom = scene.background, tuple(min(255, max(190, c + rng.randint(-30, 15))) for c in scene.background)
     image = Image.linear_gradient("L").resize((width, height))
     image = Image.merge("RGB", [image.point(lambda v, a=a, b=b: a + (b - a) * v / 255) for a, b in zip(top, bottom)])
     draw = ImageDraw.Draw(image)
@@ -222,4 +229,7 @@ def _render_varied(scene: Scene, size: int) -> Image.Image:
         draw.text(xy, scene.word, fill=COLOURS[scene.word_colour], font=font)
     if rng.random() < 0.3:
         image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.4, 1.0)))
+    if rng.random() < 0.5:  # sensor-like noise: a frozen CNN's features move with it more than one expects
+        noise = np.random.default_rng(rng.getrandbits(32)).normal(0, rng.uniform(1.0, 6.0), (height, width, 3))
+        image = Image.fromarray(np.clip(np.asarray(image, np.float32) + noise, 0, 255).astype(np.uint8), "RGB")
     return image
