@@ -37,7 +37,7 @@ class SharedPrefix:
         if key not in self._states:
             with torch.no_grad():
                 out = lm.model(input_ids=input_ids[:1, :start], use_cache=True)
-            self._states[key] = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            self._states[key] = [(layer.keys, layer.values) for layer in out.cache.layers]
         rows = input_ids.shape[0]
         data = [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self._states[key]]
         return start, DynamicCache(ddp_cache_data=data)
