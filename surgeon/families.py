@@ -25,6 +25,7 @@ class Family:
     residual_mlp: bool = False  # plain pre-norm residual MLP: a dropped run's linear bridge folds into down_proj
     qk_norm: bool = False  # per-head q/k RMSNorm: merged keys must start from the mean, not an SVD mix
     sparse_base: bool = False  # sparse_attention converts its attention (lightning indexer + top-k)
+    plain_cache: bool = False  # its forward continues from a DynamicCache built from given keys/values
     vision_tower: str | None = None  # for an image encoder: the tower kind it donates ("clip", "siglip")
     gguf_arch: str | None = None  # llama.cpp's architecture name: `surgeon export-gguf` writes it
     gguf_interleaved_rope: bool = False  # llama.cpp rotates interleaved pairs: q/k rows are permuted
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Family] = {
             "llama",
             "lm",
             surgery=True,
+            plain_cache=True,
             engine=True,
             residual_mlp=True,
             sparse_base=True,
@@ -63,6 +65,7 @@ FAMILIES: dict[str, Family] = {
             "qwen2",
             "lm",
             surgery=True,
+            plain_cache=True,
             engine=True,
             residual_mlp=True,
             gguf_arch="qwen2",
@@ -72,6 +75,7 @@ FAMILIES: dict[str, Family] = {
             "qwen3",
             "lm",
             surgery=True,
+            plain_cache=True,
             engine=True,
             residual_mlp=True,
             qk_norm=True,
@@ -149,6 +153,12 @@ def is_bridgeable(model_type: str | None) -> bool:
 
 def has_qk_norm(model_type: str | None) -> bool:
     return _flag(model_type, "qk_norm")
+
+
+def has_plain_cache(model_type: str | None) -> bool:
+    """Full attention everywhere and nothing kept beside the keys and values (no sliding windows,
+    no indexer keys): a cache built from a shared prefix's keys and values continues it exactly."""
+    return _flag(model_type, "plain_cache")
 
 
 def is_sparse_base(model_type: str | None) -> bool:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-FAMILIES = {"llama", "qwen2", "qwen3"}
+from ..families import has_plain_cache
+
+MAX_OPENINGS = 32  # distinct openings kept (each well under a megabyte for a small LM)
 
 
 class SharedPrefix:
@@ -29,12 +31,14 @@ class SharedPrefix:
 
     def split(self, lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor):
         start = self._shared_length(input_ids, attention_mask, targets)
-        if start == 0 or lm.config.model_type not in FAMILIES or any(p.requires_grad for p in lm.parameters()):
+        if start == 0 or not has_plain_cache(lm.config.model_type) or any(p.requires_grad for p in lm.parameters()):
             return 0, None
         device = input_ids.device
         autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
         key = (tuple(input_ids[0, :start].tolist()), autocast, str(device))
         if key not in self._states:
+            if len(self._states) >= MAX_OPENINGS:  # jsonl chats may open differently: keep the newest
+                del self._states[next(iter(self._states))]
             with torch.no_grad():
                 out = lm.model(input_ids=input_ids[:1, :start], use_cache=True)
             self._states[key] = [(layer.keys, layer.values) for layer in out.cache.layers]
