@@ -22,10 +22,10 @@ from transformers import AutoTokenizer
 
 from surgeon.modeling import SurgeonVLMForConditionalGeneration
 from surgeon.runtime import limit_heap_fragmentation
+from surgeon.training.heal_data import DataSource, SyntheticImages
 from surgeon.training.vision_loop import AnswerLoss, Batches
 from surgeon.vision.graft import processor_for
-from surgeon.vision.image_set import encode_records
-from surgeon.vision.synthetic import SyntheticQuestions, chat_record
+from surgeon.vision.image_set import encode_records, source_records
 
 
 def main() -> None:
@@ -47,18 +47,12 @@ def main() -> None:
         param.requires_grad_(name.startswith("projector."))
     vlm.train()
 
-    generator = SyntheticQuestions(seed=7, kinds=("colour", "shape", "count"))
-    records = []
-    for index in range((args.steps + 2) * args.batch):
-        scene = generator.scene("train", index)
-        record = chat_record(None, scene.question, scene.answer, kind=scene.kind)
-        record["images"], record["key"] = [lambda scene=scene: generator.render(scene)], str(index)
-        records.append(record)
+    questions = SyntheticImages(examples=(args.steps + 2) * args.batch, kinds=["colour", "shape", "count"], seed=7)
+    records = source_records(DataSource(synthetic=questions), [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = Batches(vlm, processor, {"train": encode_records(records, processor)}, pad, True, torch.device("cpu"))
 
-    shared, whole = AnswerLoss(vlm), AnswerLoss(vlm)
-    whole.prefix.split = lambda *args: (0, None)  # the whole sequence every step: the loop before
+    shared, whole = AnswerLoss(vlm), AnswerLoss(vlm, shared_opening=False)  # whole: the loop before
     times, gaps = {"shared opening": [], "whole sequence": []}, []
     for step in range(args.steps + 2):
         inputs = batches.batch("train", list(range(step * args.batch, (step + 1) * args.batch)))

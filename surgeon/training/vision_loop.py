@@ -5,8 +5,8 @@ optionally tower blocks or LoRA on the LM; everything else is frozen. With the t
 outputs never change, so they are computed once for every image (and shared by all epochs):
 a step is then the LM forward and backward only, and with the LM frozen too, only from the end of
 the chat template's opening, which every question shares (shared_prefix.py). Logits are computed
-at the answer positions only, since nothing else is scored. The step loop (checkpoints, `--resume`, early stopping on
-the held-out answer loss) is driver.py's, as for text.
+at the answer positions only, since nothing else is scored. The step loop (checkpoints,
+`--resume`, early stopping on the held-out answer loss) is driver.py's, as for text.
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ class AnswerLoss(torch.nn.Module):
     """VLM forward to the LM's final hidden states, then CE at the answer positions only. One
     module so accelerate/DDP can wrap it."""
 
-    def __init__(self, vlm):
+    def __init__(self, vlm, shared_opening: bool = True):
         super().__init__()
         self.vlm = vlm
-        self.prefix = SharedPrefix(vlm.config.image_token_id)
+        self.prefix = SharedPrefix(vlm.config.image_token_id) if shared_opening else None
 
     def forward(self, input_ids, attention_mask, targets, pixel_values=None, tower_tokens=None):
         vlm = self.vlm
         embeds = vlm.embed(input_ids, pixel_values, tower_tokens)
         lm = vlm.language_model
         base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-        start, cache = self.prefix.split(base, input_ids, attention_mask, targets)
+        start, cache = self.prefix.split(base, input_ids, attention_mask, targets) if self.prefix else (0, None)
         hidden = base.model(
             inputs_embeds=embeds[:, start:],
             attention_mask=attention_mask,
