@@ -30,11 +30,41 @@ def test_pixel_shuffle_groups_each_block_in_row_order():
         pixel_shuffle(torch.zeros(1, 49, 3), (7, 7), 2)
 
 
-@pytest.mark.parametrize("kind,tokens_out", [("linear", 16), ("mlp2x_gelu", 16), ("pixel_shuffle", 4)])
+@pytest.mark.parametrize(
+    "kind,tokens_out",
+    [("linear", 16), ("mlp2x_gelu", 16), ("pixel_shuffle", 4), ("pixel_shuffle_mlp", 4), ("pixel_shuffle_pooled", 5)],
+)
 def test_projectors_map_vision_tokens_to_lm_width(kind, tokens_out):
     projector = Projector(kind, vision_size=8, lm_size=12, grid=(4, 4))
     out = projector(torch.randn(2, 16, 8))
     assert out.shape == (2, tokens_out, 12) and projector.tokens_out(16) == tokens_out
+
+
+def test_the_shuffled_mlp_projector_maps_each_block_alone_and_not_linearly():
+    projector = Projector("pixel_shuffle_mlp", vision_size=8, lm_size=12, grid=(4, 4))
+    tokens = torch.randn(1, 16, 8)
+    out = projector(tokens)
+    moved = tokens.clone()
+    moved[0, 0] += 1.0  # grid cell (0, 0) lies in block 0 only
+    changed = (projector(moved) - out).abs().sum(-1)[0]
+    assert changed[0] > 0 and torch.equal(changed[1:], torch.zeros(3))
+    doubled = projector(2 * tokens)  # a linear map without bias would double; GELU between two layers does not
+    assert not torch.allclose(doubled - projector.proj[2].bias, 2 * (out - projector.proj[2].bias), atol=1e-4)
+
+
+def test_the_pooled_token_sums_every_block_and_ignores_where_each_lies():
+    projector = Projector("pixel_shuffle_pooled", vision_size=8, lm_size=12, grid=(4, 4))
+    tokens = torch.randn(1, 16, 8)
+    out = projector(tokens)
+    grid = tokens.view(1, 4, 4, 8)
+    swapped = torch.cat([grid[:, :, 2:], grid[:, :, :2]], dim=2).reshape(1, 16, 8)  # left and right halves
+    moved = projector(swapped)
+    assert torch.allclose(moved[0, 4], out[0, 4], atol=1e-6)  # the pooled token: order-free
+    assert torch.allclose(moved[0, 0], out[0, 1]) and torch.allclose(moved[0, 1], out[0, 0])  # blocks move
+    # A sum, not a mean: four blank blocks give four times one blank block's features
+    blank = torch.nn.functional.gelu(projector.pool_in(torch.zeros(32)))
+    assert torch.allclose(projector(torch.zeros(1, 16, 8))[0, 4], projector.pool_out(4 * blank), atol=1e-6)
+    assert not torch.allclose(projector.pool_out(4 * blank), projector.pool_out(blank))
 
 
 def _tiny_cnn():

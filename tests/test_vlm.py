@@ -67,7 +67,16 @@ def test_text_only_prompts_give_exactly_the_lms_logits():
         assert torch.equal(model(input_ids=ids).logits, lm(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("projector,timm", [("mlp2x_gelu", False), ("pixel_shuffle", False), ("linear", True)])
+@pytest.mark.parametrize(
+    "projector,timm",
+    [
+        ("mlp2x_gelu", False),
+        ("pixel_shuffle", False),
+        ("pixel_shuffle_mlp", False),
+        ("pixel_shuffle_pooled", False),
+        ("linear", True),
+    ],
+)
 def test_images_replace_their_placeholders(projector, timm):
     model = tiny_vlm(projector, timm)
     size = model.config.image_size

@@ -4,6 +4,10 @@
 - `mlp2x_gelu`: Linear, GELU, Linear (LLaVA-1.5).
 - `pixel_shuffle`: groups each f x f block of the token grid into one token with f*f times the
   channels, then one Linear (nanoVLM / SmolVLM): f*f fewer image tokens for the LM to read.
+- `pixel_shuffle_mlp`: the same grouping, then Linear, GELU, Linear: a non-linear map per block.
+- `pixel_shuffle_pooled`: `pixel_shuffle`'s tokens plus one more, the sum over the blocks of a
+  per-block Linear + GELU, then a Linear. Attention averages what it reads, so a frozen LM finds
+  "how many" hard to read off a grid; a sum carries it in the token's magnitude and direction.
 """
 
 from __future__ import annotations
@@ -11,7 +15,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PROJECTORS = ("linear", "mlp2x_gelu", "pixel_shuffle")
+PROJECTORS = ("linear", "mlp2x_gelu", "pixel_shuffle", "pixel_shuffle_mlp", "pixel_shuffle_pooled")
+
+
+def shuffles(kind: str) -> bool:
+    """Whether a projector of this kind groups the token grid into blocks."""
+    return kind.startswith("pixel_shuffle")
+
+
+def image_tokens(kind: str, vision_tokens: int, factor: int) -> int:
+    """LM positions one image takes after a projector of this kind."""
+    if not shuffles(kind):
+        return vision_tokens
+    return vision_tokens // (factor * factor) + (kind == "pixel_shuffle_pooled")
 
 
 def pixel_shuffle(tokens: torch.Tensor, grid: tuple[int, int], factor: int) -> torch.Tensor:
@@ -31,20 +47,31 @@ class Projector(nn.Module):
         super().__init__()
         if kind not in PROJECTORS:
             raise ValueError(f"unknown projector {kind!r}; choose one of {', '.join(PROJECTORS)}")
-        if kind == "pixel_shuffle" and grid is None:
+        if shuffles(kind) and grid is None:
             raise ValueError("pixel_shuffle needs a tower whose tokens form a grid (drop the CLS token)")
         self.kind, self.grid, self.factor = kind, grid, factor
         if kind == "linear":
             self.proj = nn.Linear(vision_size, lm_size)
         elif kind == "mlp2x_gelu":
             self.proj = nn.Sequential(nn.Linear(vision_size, lm_size), nn.GELU(), nn.Linear(lm_size, lm_size))
+        elif kind == "pixel_shuffle_mlp":
+            block = vision_size * factor * factor
+            self.proj = nn.Sequential(nn.Linear(block, lm_size), nn.GELU(), nn.Linear(lm_size, lm_size))
         else:
             self.proj = nn.Linear(vision_size * factor * factor, lm_size, bias=False)
+        if kind == "pixel_shuffle_pooled":
+            self.pool_in = nn.Linear(vision_size * factor * factor, lm_size)
+            self.pool_out = nn.Linear(lm_size, lm_size)
 
     def tokens_out(self, tokens_in: int) -> int:
-        return tokens_in // (self.factor * self.factor) if self.kind == "pixel_shuffle" else tokens_in
+        return image_tokens(self.kind, tokens_in, self.factor)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.kind == "pixel_shuffle":
-            tokens = pixel_shuffle(tokens, self.grid, self.factor)
-        return self.proj(tokens)
+        if not shuffles(self.kind):
+            return self.proj(tokens)
+        blocks = pixel_shuffle(tokens, self.grid, self.factor)
+        out = self.proj(blocks)
+        if self.kind == "pixel_shuffle_pooled":
+            pooled = self.pool_out(nn.functional.gelu(self.pool_in(blocks)).sum(1, keepdim=True))
+            out = torch.cat([out, pooled], dim=1)
+        return out

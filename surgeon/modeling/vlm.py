@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 
-from .projector import Projector
+from .projector import Projector, image_tokens
 from .towers import TimmTower, TransformersTower
 
 
@@ -72,9 +72,7 @@ class SurgeonVLMConfig(PretrainedConfig):
     @property
     def image_seq_length(self) -> int:
         """LM positions one image takes."""
-        if self.projector == "pixel_shuffle":
-            return self.vision_tokens // (self.pixel_shuffle_factor**2)
-        return self.vision_tokens
+        return image_tokens(self.projector, self.vision_tokens, self.pixel_shuffle_factor)
 
     def to_dict(self):
         out = super().to_dict()

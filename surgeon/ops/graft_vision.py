@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ParamError, SourceError
+from ..modeling.projector import shuffles
 from ..paths import PathRefused, user_path
 from ..recipe.patient import Patient, Provenance
 from ..recipe.step import ModelState, Operation, StepContext, register
@@ -62,7 +63,9 @@ class GraftVisionParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tower: TowerSpec
-    projector: Literal["linear", "mlp2x_gelu", "pixel_shuffle"] = "mlp2x_gelu"
+    projector: Literal["linear", "mlp2x_gelu", "pixel_shuffle", "pixel_shuffle_mlp", "pixel_shuffle_pooled"] = (
+        "mlp2x_gelu"
+    )
     pixel_shuffle_factor: int = Field(2, ge=2, le=8)
     image_token: str = Field(IMAGE_TOKEN, min_length=1)
     seed: int = 0
@@ -81,7 +84,7 @@ class GraftVision(Operation):
         if is_vlm(state):
             raise ParamError((), "the patient already has a vision tower")
         donor = _donor(params.tower, ctx.recipe_dir, weights=False)
-        if params.projector == "pixel_shuffle":
+        if shuffles(params.projector):
             grid = donor.grid
             factor = params.pixel_shuffle_factor
             if grid is None or grid[0] % factor or grid[1] % factor:
@@ -103,7 +106,7 @@ class GraftVision(Operation):
         note = (
             f"{donor.description}: {config.image_seq_length} image tokens per image "
             f"({_layout(donor)} x {donor.hidden_size} at {donor.image_size}px"
-            f"{', pixel shuffle ' + str(params.pixel_shuffle_factor) if params.projector == 'pixel_shuffle' else ''}); "
+            f"{', pixel shuffle ' + str(params.pixel_shuffle_factor) if shuffles(params.projector) else ''}); "
             f"{params.projector} projector {projector_params / 1e6:.2f}M params, tower {tower_params / 1e6:.2f}M"
         )
         ctx.facts["projector_params"] = projector_params
