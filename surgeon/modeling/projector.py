@@ -50,17 +50,13 @@ class Projector(nn.Module):
         if shuffles(kind) and grid is None:
             raise ValueError("pixel_shuffle needs a tower whose tokens form a grid (drop the CLS token)")
         self.kind, self.grid, self.factor = kind, grid, factor
-        if kind == "linear":
-            self.proj = nn.Linear(vision_size, lm_size)
-        elif kind == "mlp2x_gelu":
-            self.proj = nn.Sequential(nn.Linear(vision_size, lm_size), nn.GELU(), nn.Linear(lm_size, lm_size))
-        elif kind == "pixel_shuffle_mlp":
-            block = vision_size * factor * factor
-            self.proj = nn.Sequential(nn.Linear(block, lm_size), nn.GELU(), nn.Linear(lm_size, lm_size))
-        else:
-            self.proj = nn.Linear(vision_size * factor * factor, lm_size, bias=False)
+        width = vision_size * factor * factor if shuffles(kind) else vision_size  # of one token the LM reads
+        if kind in ("linear", "pixel_shuffle", "pixel_shuffle_pooled"):
+            self.proj = nn.Linear(width, lm_size, bias=kind == "linear")
+        else:  # mlp2x_gelu, pixel_shuffle_mlp
+            self.proj = nn.Sequential(nn.Linear(width, lm_size), nn.GELU(), nn.Linear(lm_size, lm_size))
         if kind == "pixel_shuffle_pooled":
-            self.pool_in = nn.Linear(vision_size * factor * factor, lm_size)
+            self.pool_in = nn.Linear(width, lm_size)
             self.pool_out = nn.Linear(lm_size, lm_size)
 
     def tokens_out(self, tokens_in: int) -> int:

@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ParamError, SourceError
-from ..modeling.projector import shuffles
+from ..modeling.projector import PROJECTORS, shuffles
 from ..paths import PathRefused, user_path
 from ..recipe.patient import Patient, Provenance
 from ..recipe.step import ModelState, Operation, StepContext, register
@@ -63,9 +63,7 @@ class GraftVisionParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tower: TowerSpec
-    projector: Literal["linear", "mlp2x_gelu", "pixel_shuffle", "pixel_shuffle_mlp", "pixel_shuffle_pooled"] = (
-        "mlp2x_gelu"
-    )
+    projector: Literal[PROJECTORS] = "mlp2x_gelu"  # the kinds projector.py builds, listed there once
     pixel_shuffle_factor: int = Field(2, ge=2, le=8)
     image_token: str = Field(IMAGE_TOKEN, min_length=1)
     seed: int = 0
