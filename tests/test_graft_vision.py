@@ -135,6 +135,8 @@ def test_graft_train_ask_export_and_reload(write_recipe, tiny_llama, text_dir, t
         assert param.data_ptr() == parent[name].data_ptr()
     trained = [p for p in result.report["provenance"] if p["op"] == "heal"][0]
     assert trained["params"]["trainable"]["trainable"] == sum(p.numel() for p in patient.model.projector.parameters())
+    prepared, data = trained["details"]["training"]["prepared"], trained["details"]["data"]
+    assert prepared["images"] == data["train_examples"] + data["heldout_examples"]  # the frozen tower, once each
     stages = {s["kind"]: s for s in result.report["stages"]}
     assert stages["instructions"]["metrics"]["total"] == 26  # text generation through the VLM
     assert stages["kl"]["metrics"]["kl_mean"] < 1e-6 and stages["kl"]["metrics"]["top1_agreement"] == 1.0
@@ -148,6 +150,7 @@ def test_graft_train_ask_export_and_reload(write_recipe, tiny_llama, text_dir, t
     assert (out / "vlm.py").is_file() and (out / "processor_config.json").is_file()
     card = (out / "README.md").read_text()
     assert "## Image questions" in card and "image-text-to-text" in card and "trust_remote_code=True" in card
+    assert f"the frozen tower's outputs for {prepared['images']:,} images" in card
 
     model = AutoModelForImageTextToText.from_pretrained(out).eval()
     processor = AutoProcessor.from_pretrained(out)

@@ -286,3 +286,40 @@ def test_the_shared_prompt_opening_runs_once_and_changes_no_loss_or_gradient(pro
         shared.prefix.split(model.language_model, inputs["input_ids"], inputs["attention_mask"], inputs["targets"])[0]
         == 0
     )
+
+
+def test_tower_outputs_come_back_from_the_disk_cache_keyed_by_pixels_and_weights(processor):
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from surgeon.vision.feature_cache import FeatureCache
+    from surgeon.vision.features import tower_features
+
+    model = tiny_vlm()
+
+    def example(shade: int):
+        image = Image.new("RGB", (32, 32), (shade, 17, 255 - shade))
+        return SimpleNamespace(images=[lambda: image])
+
+    examples = [example(shade) for shade in (11, 83, 201)]
+    first = tower_features(model, processor, examples, batch=2)
+    assert first.from_cache == 0 and first.features.shape[0] == 3
+    again = tower_features(model, processor, examples, batch=2)
+    assert again.from_cache == 3 and torch.equal(again.features, first.features)
+    regrouped = tower_features(model, processor, examples[::-1], batch=3)  # another order and batch size
+    assert regrouped.from_cache == 3 and torch.equal(regrouped.features, first.features.flip(0))
+    mixed = tower_features(model, processor, [example(12), examples[1]], batch=2)  # other pixels, other entry
+    assert mixed.from_cache == 1 and torch.equal(mixed.features[1], first.features[1])
+
+    folder = FeatureCache(model.vision_tower, model.projector_dtype, torch.bfloat16).folder
+    for entry in folder.glob("*.safetensors"):
+        entry.write_bytes(b"damaged")
+    mended = tower_features(model, processor, examples, batch=2)
+    assert mended.from_cache == 0 and torch.equal(mended.features, first.features)
+
+    with torch.no_grad():  # other weights: another fingerprint, so nothing is read back
+        for param in model.vision_tower.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    changed = tower_features(model, processor, examples, batch=2)
+    assert changed.from_cache == 0 and not torch.equal(changed.features, first.features)

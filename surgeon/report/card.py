@@ -163,6 +163,18 @@ def _healing_section(entry: dict) -> list[str]:
     ]
     if "train_examples" in data:  # a grafted VLM trained on image questions
         lines.append(f"- data: {data['train_examples']:,} image questions, {data['heldout_examples']} held out")
+        prepared = training.get("prepared")
+        if prepared:
+            how = (
+                "all read from the cache"
+                if prepared["from_cache"] == prepared["images"]
+                else f"computed in {prepared['seconds'] / 60:.1f} min"
+                + (f" ({prepared['from_cache']:,} read from the cache)" if prepared["from_cache"] else "")
+            )
+            lines.append(
+                f"- the frozen tower's outputs for {prepared['images']:,} images, {how}, "
+                "apart from the training time above"
+            )
         if len(heldout) >= 2:
             lines.append(
                 f"- held-out answer loss {heldout[0]['loss']:.4f} -> {heldout[-1]['loss']:.4f}; exact answers "

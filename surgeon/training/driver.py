@@ -41,6 +41,7 @@ class LoopResult:
     tokens: int = 0
     shared_prefix: int = 0
     precision: str = "fp32"
+    prepared: dict = field(default_factory=dict)  # inputs made before the first step (tower features); not in seconds
 
     def summary(self) -> dict:
         return {
@@ -52,7 +53,7 @@ class LoopResult:
             "tokens_per_second": round(self.tokens / self.seconds, 1) if self.seconds else None,
             "shared_prefix_layers": self.shared_prefix,
             "precision": self.precision,
-        }
+        } | ({"prepared": self.prepared} if self.prepared else {})
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..vision.features import tower_features
+from ..vision.features import TowerFeatures, tower_features
 from .driver import LoopResult, batch_indices, drive, make_accelerator
 from .loop import LoopSpec
 from .shared_prefix import SharedPrefix
@@ -72,12 +72,17 @@ class Batches:
     def __init__(self, vlm, processor, examples: dict[str, list], pad_id: int, cache_tower: bool, device):
         self.vlm, self.processor, self.pad_id, self.device = vlm, processor, pad_id, device
         self.examples = examples
-        self.cached: dict[str, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
+        self.cached: dict[str, TowerFeatures] = {}
         if cache_tower:
             for split, items in examples.items():
                 self.cached[split] = tower_features(
                     vlm, processor, items, device=device, desc=f"tower features ({split})"
                 )
+
+    def features_summary(self) -> dict:
+        """What computing the frozen tower's outputs took before the first step (data preparation)."""
+        parts = [f.summary() for f in self.cached.values()]
+        return {key: sum(p[key] for p in parts) for key in ("images", "from_cache", "seconds")} if parts else {}
 
     def batch(self, split: str, indices: list[int]) -> dict:
         items = [self.examples[split][i] for i in indices]
@@ -93,9 +98,9 @@ class Batches:
             "targets": shifted_targets(ids, [e.mask for e in items]).to(self.device),
         }
         if split in self.cached:
-            features, spans = self.cached[split]
-            rows = [r for i in indices for r in range(*spans[i])]
-            out["tower_tokens"] = features[rows].to(self.device) if rows else None
+            cached = self.cached[split]
+            rows = [r for i in indices for r in range(*cached.spans[i])]
+            out["tower_tokens"] = cached.features[rows].to(self.device) if rows else None
         else:
             loaders = [load for e in items for load in e.images]
             out["pixel_values"] = (
@@ -129,6 +134,7 @@ def train_vision(
         cache_tower=not tower_trains,
         device=device,
     )
+    result.prepared = batches.features_summary()
 
     def one_step(body, step: int):
         totals, tokens = {"loss": 0.0, "accuracy": 0.0}, 0

@@ -30,8 +30,8 @@ def normalise(text: str) -> str:
 @torch.no_grad()
 def tower_outputs(vlm, processor, examples: list[VisionExample], batch: int = 32) -> list[torch.Tensor]:
     """Per example, its images' tower tokens (images, tokens, channels), as healing computes them."""
-    features, spans = tower_features(vlm, processor, examples, batch=batch, desc="tower")
-    return [features[start:end] for start, end in spans]
+    computed = tower_features(vlm, processor, examples, batch=batch, desc="tower")
+    return [computed.features[start:end] for start, end in computed.spans]
 
 
 @torch.no_grad()
