@@ -68,11 +68,14 @@ class LLM:
     to nearest here (faster decoding, outputs close to but not identical to the full-precision
     model's). A quantize step's export (compressed-tensors) runs on its own integers and scales by
     default on a CPU; `quantize="none"` runs its dequantized weights in float instead.
-    `compile=True`: decode steps through torch.compile (the first steps of each batch shape
-    compile, ~30-60 s on 2 CPU cores). `kv_cache_tokens`: positions the paged cache holds over
+    `compile=True`: decode steps through torch.compile; on a CPU the weights are frozen into the
+    graph and read by inductor's packed GEMM (compiled.py: a second, packed copy of the weights, and
+    the model must not change afterwards; each new step shape compiles once, a few minutes on 2
+    cores). `kv_cache_tokens`: positions the paged cache holds over
     all sequences (default: 1 GiB worth on a CPU, 60% of free memory on a GPU).
     `max_batched_tokens`: the prefill chunk budget per step. `speculative`: decode speculatively
-    (the output distribution is unchanged; greedy output is the same tokens): "ngram", a draft
+    (the output distribution is unchanged; greedy output is the same tokens, up to float
+    rounding between compiled graphs with `compile=True`: compiled.py): "ngram", a draft
     checkpoint's path, or a dict such as {"method": "model", "draft": PATH, "k": 4} (see
     speculative.SpeculativeConfig)."""
 
@@ -118,7 +121,9 @@ class LLM:
         self.max_model_len = min(num_blocks * block_size, self.model.config.max_position_embeddings)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batched_tokens)
-        self.runner = ModelRunner(self.model, self.vision, num_blocks, block_size, self.device, self.dtype, compile)
+        self.runner = ModelRunner(
+            self.model, self.vision, num_blocks, block_size, self.device, self.dtype, compile, bool(self.quantized)
+        )
         self.stopper = Stopper(self.tokenizer, loaded.eos_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.speculator = self._speculator(SpeculativeConfig.parse(speculative), max_num_seqs, kv_cache_tokens)

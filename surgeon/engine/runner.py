@@ -6,6 +6,7 @@ import torch
 
 from ..kernels.paged_attention import key_slots
 from .batch import StepBatch
+from .compiled import compile_decode
 from .models.llama import LlamaEngineModel
 from .scheduler import Scheduled
 from .vision import VisionEncoder
@@ -21,11 +22,13 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         compile: bool = False,
+        quantized: bool = False,
     ):
         self.model, self.vision = model, vision
         # Decode steps are many and alike: compiled, their small ops fuse and the per-op overhead
-        # that dominates a CPU decode step goes. Prefill steps vary in shape and stay eager.
-        self.decode_forward = torch.compile(model.forward, dynamic=True) if compile else model.forward
+        # goes, and on a CPU the weights are read by a packed GEMM (compiled.py). Prefill steps
+        # vary in shape and stay eager.
+        self.decode_forward = compile_decode(model, device, quantized) if compile else model.forward
         self.compiled = compile
         self.block_size, self.device = block_size, device
         config = model.config
