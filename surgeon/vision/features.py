@@ -36,7 +36,7 @@ class TowerFeatures:
 
 @torch.no_grad()
 def tower_features(
-    vlm, processor, examples: list, batch: int = 32, device=None, desc: str = "tower features", cache: bool = True
+    vlm, processor, examples: list, batch: int = 32, device=None, desc: str = "tower features"
 ) -> TowerFeatures:
     """The tower's outputs for every image of `examples`, read from the disk cache where present."""
     began = time.perf_counter()
@@ -49,15 +49,15 @@ def tower_features(
     for example in examples:
         spans.append((len(loaders), len(loaders) + len(example.images)))
         loaders.extend(example.images)
-    store = FeatureCache(tower, dtype, keep) if cache and loaders else None
+    store = FeatureCache(tower, dtype, keep) if loaders else None  # the loop below runs only with images
     if cnn:
         tower.to(memory_format=torch.channels_last)
     outputs, from_cache = [], 0
     try:
         for start in tqdm(range(0, len(loaders), batch), desc=desc, unit="batch", leave=False):
             pixels = processor.pixels([load() for load in loaders[start : start + batch]])
-            entries = [store.path(image) for image in pixels] if store else [None] * len(pixels)
-            found = [store.read(entry) if store else None for entry in entries]
+            entries = [store.path(image) for image in pixels]
+            found = [store.read(entry) for entry in entries]
             missing = [i for i, out in enumerate(found) if out is None]
             from_cache += len(pixels) - len(missing)
             if missing:  # only the images not in the cache go through the tower, still as one batch
@@ -67,8 +67,7 @@ def tower_features(
                 computed = tower(todo).to(keep).cpu()
                 for row, i in enumerate(missing):
                     found[i] = computed[row]
-                    if store:
-                        store.write(entries[i], computed[row])
+                    store.write(entries[i], computed[row])
             outputs.append(torch.stack(found))
     finally:
         if cnn:
