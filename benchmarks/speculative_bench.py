@@ -3,6 +3,10 @@ against the engine without speculation, in one process, fp32, batch 1 (and 16 at
 
     python benchmarks/speculative_bench.py                         # both workloads, all drafts
     python benchmarks/speculative_bench.py --draft out/smollm2-draft --prompts 8
+    python benchmarks/speculative_bench.py --workloads chat --engines draft compiled+draft
+
+`--engines` picks the engine rows (the plain engine always runs: it is the reference every
+speculative row's tokens are checked against); each compiled engine costs minutes of compile.
 
 Workloads (128 new tokens each, greedy, the chat template):
   grounded  summarise / rewrite / quote from a ~400-token passage of held-out Austen (Persuasion)
@@ -33,6 +37,19 @@ ASKS = (
     "Quote the two sentences of this passage that say the most about the characters, then explain why.",
     "List the people in this passage and what each says or does, quoting them.",
 )
+
+
+WORKLOADS = {
+    "grounded": "grounded: summarise / rewrite / quote a ~400-token Persuasion passage",
+    "chat": "chat: open prompts (chat-eval.txt)",
+}
+ENGINES = {  # --engines key: row name
+    "compiled": "engine compiled",
+    "ngram": "engine + ngram",
+    "compiled+ngram": "engine compiled + ngram",
+    "draft": "engine + draft",
+    "compiled+draft": "engine compiled + draft",
+}
 
 
 def grounded_prompts(tokenizer, count: int) -> list[list[dict]]:
@@ -130,6 +147,10 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument(
+        "--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="engine rows besides the plain one"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -138,29 +159,28 @@ def main() -> None:
 
     hf = hf_model(args.model)
     common = {"max_num_seqs": args.concurrent, "kv_cache_tokens": 32768}
-    engines = {
-        "engine": LLM(args.model, **common),
-        "engine compiled": LLM(args.model, compile=True, **common),
-        "engine + ngram": LLM(args.model, speculative={"method": "ngram", "k": args.k}, **common),
-        "engine compiled + ngram": LLM(
-            args.model, compile=True, speculative={"method": "ngram", "k": args.k}, **common
-        ),
-    }
     draft = Path(args.draft)
-    if (draft / "config.json").is_file():
-        spec = {"method": "model", "draft": str(draft), "k": args.k}
-        engines["engine + draft"] = LLM(args.model, speculative=spec, **common)
-        engines["engine compiled + draft"] = LLM(args.model, compile=True, speculative=spec, **common)
-    else:
+    wanted = set(args.engines)
+    if wanted & {"draft", "compiled+draft"} and not (draft / "config.json").is_file():
         print(f"no draft at {draft}: run recipes/smollm2-draft.yaml (or pass --draft) for the draft rows")
+        wanted -= {"draft", "compiled+draft"}
+    speculative = {
+        "ngram": {"method": "ngram", "k": args.k},
+        "draft": {"method": "model", "draft": str(draft), "k": args.k},
+    }
+    engines = {"engine": LLM(args.model, **common)}
+    for key in ENGINES:  # in the table's order
+        if key in wanted:
+            method = key.removeprefix("compiled").lstrip("+")  # "" for the compiled engine alone
+            engines[ENGINES[key]] = LLM(
+                args.model, compile=key.startswith("compiled"), speculative=speculative.get(method), **common
+            )
     tokenizer = engines["engine"].tokenizer
     print(f"torch {torch.__version__}, {args.threads} threads, fp32, k up to {args.k}, adaptive")
 
     workloads = {
-        "grounded: summarise / rewrite / quote a ~400-token Persuasion passage": grounded_prompts(
-            tokenizer, args.prompts
-        ),
-        "chat: open prompts (chat-eval.txt)": chat_prompts(args.prompts),
+        WORKLOADS[name]: grounded_prompts(tokenizer, args.prompts) if name == "grounded" else chat_prompts(args.prompts)
+        for name in args.workloads
     }
     warm = [chat_ids(tokenizer, workloads[next(iter(workloads))][0], generation_prompt=True)]
     for engine in engines.values():  # warm-up, torch.compile's one-time compile included
