@@ -17,6 +17,13 @@ a fixed k of 4 over 128 tokens; 16 of 16 identical under the adaptive planner). 
 and this compile without speculation gave the plain engine's tokens in every measurement.
 
 On CUDA the step compiles as it is (the paged Triton kernels do the attention).
+
+Every engine model shares one code object (`forward`), and dynamo's limit of 8 graphs is per code
+object: a compiled target (one-row step, batched step, verification) beside a compiled draft (its
+steps and catch-ups), or a few compiled engines in one process, passed it, and past it dynamo runs
+the new shapes eagerly without a word beyond one warning (measured: the speculative benchmark's
+compiled draft row). Each engine's graphs are guarded on its own model, so the limit is raised
+around the call rather than shared graphs being forced.
 """
 
 from __future__ import annotations
@@ -26,19 +33,26 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+GRAPHS_PER_CODE = 64  # dynamo's recompile limit while an engine step runs (its default: 8)
+
 
 def compile_decode(model: nn.Module, device: torch.device, quantized: bool) -> Callable:
     """The decode step `model(embeds, batch)`, compiled for `device`."""
-    if device.type != "cpu" or quantized:
-        return torch.compile(model.forward, dynamic=True)
+    from torch._dynamo import config as dynamo_config
     from torch._inductor import config as inductor_config
 
-    compiled = torch.compile(model, dynamic=True, options={"max_autotune": True})
+    frozen = device.type == "cpu" and not quantized
+    if frozen:
+        compiled = torch.compile(model, dynamic=True, options={"max_autotune": True})
+    else:
+        compiled = torch.compile(model.forward, dynamic=True)
+    limit = max(GRAPHS_PER_CODE, dynamo_config.recompile_limit)
+    inductor_settings = {"freezing": True} if frozen else {}
 
     def forward(embeds: torch.Tensor, batch) -> torch.Tensor:
-        # Freezing is read when a graph compiles (each new shape); passed in `options` it does not
-        # take effect in this PyTorch, so it is set around the call.
-        with inductor_config.patch(freezing=True):
+        # Both settings are read when a graph compiles (each new shape). Freezing passed in
+        # `options` does not take effect in this PyTorch, so it is set around the call too.
+        with dynamo_config.patch(recompile_limit=limit), inductor_config.patch(**inductor_settings):
             return compiled(embeds, batch)
 
     return forward
