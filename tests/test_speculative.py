@@ -339,8 +339,8 @@ def test_a_compile_stall_does_not_price_a_draft_out_for_good():
     planner.costs.observe(3, 12.4)  # a compile
     for seconds in (4.2, 0.006, 0.007):
         planner.costs.observe_draft(1, seconds)
-    a, b = planner.costs.fit()
-    assert a == pytest.approx(0.025, rel=0.01) and b == pytest.approx(0.0013, rel=0.01)
+    a, b, c = planner.costs.fit()
+    assert a == pytest.approx(0.025, rel=0.01) and b == pytest.approx(0.0013, rel=0.01) and c == 0.0
     assert planner.costs.draft_round == pytest.approx(0.007)
     assert planner.plan([seq], [9])[0] >= 1  # a 7 ms draft round for a 25 ms step is worth it
 
@@ -349,6 +349,66 @@ def test_a_compile_stall_does_not_price_a_draft_out_for_good():
     plans = [planner.plan([seq], [9])[0] for _ in range(Planner.PROBE_EVERY)]
     assert plans[:-1] == [0] * (Planner.PROBE_EVERY - 1)
     assert plans[-1] == 1  # ... until one position is tried again, which re-measures it
+
+
+def test_a_verifications_fixed_cost_is_fitted_apart_and_can_price_speculation_out():
+    """Times shaped like 16 sequences on this CPU: a plain step 84 + 2.4 ms a token, a verification
+    12 ms more. One line through both kinds of step prices the plain step too high, and speculation
+    at acceptance 0.4 then looks like a gain; fitted apart, it is declined. At batch 1, where a
+    step is mostly weight reads, the same costs still buy speculation at high acceptance."""
+    from surgeon.engine.sequence import Sequence
+    from surgeon.engine.speculative import Planner, StepCosts
+
+    costs = StepCosts()
+    for tokens in (16, 15, 16, 14, 16):
+        costs.observe(tokens, 0.084 + 0.0024 * tokens)
+    for tokens in (20, 24, 31, 40, 26):
+        costs.observe(tokens, 0.084 + 0.0024 * tokens + 0.012, verify=True)
+    a, b, c = costs.fit()
+    assert (a, b, c) == pytest.approx((0.084, 0.0024, 0.012), rel=1e-6)
+
+    planner = Planner(SpeculativeConfig(k=4), draft_costs_rounds=False)
+    planner.costs = costs
+    crowd = [Sequence([1, 2, 3], GREEDY) for _ in range(16)]
+    for seq in crowd:
+        seq.spec.rate = 0.4
+    assert planner.plan(crowd, [9] * 16) == [0] * 16
+    # The old single line: its slope and intercept make the same plan look worth it.
+    lumped = StepCosts()
+    lumped.samples.extend((t, False, s) for t, _, s in costs.samples)
+    a1, b1, _ = lumped.fit()
+    assert a1 + b1 * 16 > a + b * 16 and 0.4 / b1 > 16 / (a1 + b1 * 16)
+
+    alone = Sequence([1, 2, 3], GREEDY)
+    alone.spec.rate = 0.8
+    assert planner.plan([alone], [9])[0] >= 3
+
+
+def test_the_ngram_draft_looks_first_and_the_planner_chooses_among_tokens_found(tiny_llama):
+    """A free draft proposes before planning: a sequence whose lookup finds nothing is no
+    candidate (planned blind it counted as a likely gain), and what the planner keeps is a prefix
+    of what was found."""
+    llm = LLM(str(tiny_llama), speculative="ngram", **SMALL)
+    planner, draft = llm.speculator.planner, llm.speculator.draft
+    seen = []
+    plan, propose = planner.plan, draft.propose
+
+    def recording_propose(seqs, ks):
+        found = propose(seqs, ks)
+        seen.append({"found": [len(p.tokens) for p in found]})
+        return found
+
+    def recording_plan(seqs, room):
+        ks = plan(seqs, room)
+        seen[-1].update(room=list(room), ks=ks)
+        return ks
+
+    draft.propose, planner.plan = recording_propose, recording_plan
+    prompts = twenty_prompts()[:4]  # two quote themselves, two do not
+    assert [d.token_ids for d in llm.generate(prompts, GREEDY)] == outputs(LLM(str(tiny_llama), **SMALL), prompts)[0]
+    assert seen and all(step["room"] == step["found"] for step in seen)
+    assert all(k <= found for step in seen for k, found in zip(step["ks"], step["found"]))
+    assert any(0 in step["found"] for step in seen) and any(any(step["found"]) for step in seen)
 
 
 def test_the_server_reports_speculation_in_usage_and_answers_as_without_it(tiny_llama):

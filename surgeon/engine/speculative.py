@@ -14,7 +14,8 @@ up to k tokens per sequence; the target runs [last token, d1..dk] in one forward
 
 How many tokens each sequence proposes is planned per step (`Planner`): a draft position j of a
 sequence whose recent acceptance rate is a is expected to add a**j tokens, and costs the step's
-marginal time per token; positions are added while they raise tokens per second. The cost model
+marginal time per token; positions are added while they raise tokens per second, and the plan
+stands only if, with a verification's fixed cost charged once, it beats a plain step. The cost model
 is fitted online from the engine's own step times, so at batch 1 on a memory-bound CPU it
 speculates eagerly and under a compute-bound batch it backs off.
 """
@@ -88,20 +89,25 @@ class Proposal:
 
 
 class StepCosts:
-    """Seconds per target step as a + b * tokens, fitted over recent steps (least squares), and
-    the draft's seconds per proposing round (the median of recent rounds). A target step far longer
-    than is usual (torch.compile compiling a new shape: seconds, against milliseconds) is left out of
-    the fit, and the median keeps such a draft round from setting the round's cost; otherwise one
-    compile would price speculation out for a long while."""
+    """Seconds per target step as a + b * tokens + c * [a verification], fitted over recent steps
+    (least squares with the verification as a second intercept), and the draft's seconds per
+    proposing round (the median of recent rounds). c is what turning a plain step into a
+    verification costs beyond its extra tokens (every row's logits, the padded query grid, the
+    per-sequence accept); a single line through both kinds of step hid it, and at 16 sequences
+    it priced a plain step above its cost, so speculation at acceptance ~0.4 looked like a gain
+    and lost 15%. A target step far longer than is usual (torch.compile compiling a new shape:
+    seconds, against milliseconds) is left out of the fit, and the median keeps such a draft round
+    from setting the round's cost; otherwise one compile would price speculation out for a long
+    while."""
 
     OUTLIER = 5.0  # times the median step
 
     def __init__(self, window: int = 64):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, bool, float]] = deque(maxlen=window)
         self.draft_rounds: deque[float] = deque(maxlen=16)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.samples.append((tokens, seconds))
+    def observe(self, tokens: int, seconds: float, verify: bool = False) -> None:
+        self.samples.append((tokens, verify, seconds))
 
     def observe_draft(self, rounds: int, seconds: float) -> None:
         if rounds:
@@ -111,24 +117,36 @@ class StepCosts:
     def draft_round(self) -> float | None:
         return statistics.median(self.draft_rounds) if self.draft_rounds else None
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None before there is anything to fit."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None before there is anything to fit. b comes from the spread of step
+        sizes within each kind of step; c is 0 until both kinds have been seen (until then a
+        verification's cost is whatever its own steps say a is)."""
         if not self.samples:
             return None
-        usual = self.OUTLIER * statistics.median(s for _, s in self.samples)
-        kept = [(t, s) for t, s in self.samples if s <= usual]
-        xs = [t for t, _ in kept]
-        ys = [s for _, s in kept]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mean_x) ** 2 for x in xs)
+        usual = self.OUTLIER * statistics.median(s for _, _, s in self.samples)
+        groups = {kind: [(t, s) for t, v, s in self.samples if v == kind and s <= usual] for kind in (False, True)}
+        groups = {kind: kept for kind, kept in groups.items() if kept}
+        means = {kind: (_mean(t for t, _ in kept), _mean(s for _, s in kept)) for kind, kept in groups.items()}
+        spread = sum((t - means[kind][0]) ** 2 for kind, kept in groups.items() for t, _ in kept)
         if spread == 0:
-            # One step size seen so far: assume a marginal token costs 5% of such a step, the
-            # figure for a memory-bound decode; the fit takes over once sizes differ.
+            # One step size per kind seen so far: assume a marginal token costs 5% of such a
+            # step, the figure for a memory-bound decode; the fit takes over once sizes differ.
+            mean_x, mean_y = means[min(groups)]
             b = 0.05 * mean_y / max(mean_x, 1)
         else:
-            b = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread)
-        a = max(mean_y - b * mean_x, 1e-6)
-        return a, max(b, 0.002 * a)  # a token is never free: noise must not make speculation unbounded
+            covariance = sum(
+                (t - means[kind][0]) * (s - means[kind][1]) for kind, kept in groups.items() for t, s in kept
+            )
+            b = max(0.0, covariance / spread)
+        intercepts = {kind: mean_y - b * mean_x for kind, (mean_x, mean_y) in means.items()}
+        a = max(intercepts[min(groups)], 1e-6)
+        c = max(0.0, intercepts[True] - a) if len(groups) == 2 else 0.0
+        return a, max(b, 0.002 * a), c  # a token is never free: noise must not make speculation unbounded
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 class Planner:
@@ -152,9 +170,12 @@ class Planner:
         fitted = self.costs.fit()
         if fitted is None:
             return limits  # no step measured yet: speculate fully once, then plan
-        a, b = fitted
+        a, b, c = fitted
         draft_round = self.costs.draft_round or 0.0
-        seconds = a + b * len(seqs)
+        plain_rate = len(seqs) / (a + b * len(seqs))
+        # Price the step as a verification, add positions while they raise its tokens per
+        # second, then keep the plan only if it beats the plain step it replaces.
+        seconds = a + b * len(seqs) + c
         tokens = float(len(seqs))
         ks = [0] * len(seqs)
         candidates = sorted(
@@ -172,6 +193,8 @@ class Planner:
             rounds = max(rounds, j)
             tokens += gain
             seconds += cost
+        if tokens / seconds <= plain_rate:
+            ks = [0] * len(seqs)
         return self._probe(ks, limits, seqs)
 
     def _probe(self, ks: list[int], limits: list[int], seqs: list[Sequence]) -> list[int]:
@@ -264,8 +287,17 @@ class Speculator:
         from .scheduler import Scheduled
 
         seqs = scheduled.seqs
-        ks = self.planner.plan(seqs, [self._room(seq) for seq in seqs])
-        proposals = self.draft.propose(seqs, ks) if any(ks) else [Proposal() for _ in seqs]
+        room = [self._room(seq) for seq in seqs]
+        if self.draft.costs_rounds:
+            ks = self.planner.plan(seqs, room)
+            proposals = self.draft.propose(seqs, ks) if any(ks) else [Proposal() for _ in seqs]
+        else:
+            # A free draft (n-gram lookup) looks first and the planner chooses among the tokens it
+            # found: planned blind, a sequence with no match still counted as a likely gain, and
+            # one found match then made the whole batch a verification.
+            proposals = self.draft.propose(seqs, [min(self.config.k, r) for r in room])
+            ks = self.planner.plan(seqs, [len(p.tokens) for p in proposals])
+            proposals = [p.cut(k) for p, k in zip(proposals, ks)]
         if self.draft.costs_rounds:
             for seconds in self.draft.round_seconds:  # decode-like rounds only: a catch-up prefill is paid once
                 self.planner.costs.observe_draft(1, seconds)
@@ -287,7 +319,7 @@ class Speculator:
                     row += chunk
             else:
                 gained = [[token] for token in sample(logits, seqs)]
-        self.planner.costs.observe(sum(chunks), forward.seconds)
+        self.planner.costs.observe(sum(chunks), forward.seconds, verify)
         for seq, proposal, tokens in zip(seqs, proposals, gained):
             seq.computed = len(seq) + len(tokens) - 1  # the last token of the chunk kept, plus those accepted
             seq.spec.observe(len(proposal.tokens), len(tokens) - 1)
