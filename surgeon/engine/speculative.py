@@ -126,7 +126,10 @@ class StepCosts:
         usual = self.OUTLIER * statistics.median(s for _, _, s in self.samples)
         groups = {kind: [(t, s) for t, v, s in self.samples if v == kind and s <= usual] for kind in (False, True)}
         groups = {kind: kept for kind, kept in groups.items() if kept}
-        means = {kind: (_mean(t for t, _ in kept), _mean(s for _, s in kept)) for kind, kept in groups.items()}
+        means = {
+            kind: (statistics.fmean(t for t, _ in kept), statistics.fmean(s for _, s in kept))
+            for kind, kept in groups.items()
+        }
         spread = sum((t - means[kind][0]) ** 2 for kind, kept in groups.items() for t, _ in kept)
         if spread == 0:
             # One step size per kind seen so far: assume a marginal token costs 5% of such a
@@ -144,11 +147,6 @@ class StepCosts:
         return a, max(b, 0.002 * a), c  # a token is never free: noise must not make speculation unbounded
 
 
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
-
-
 class Planner:
     """Draft tokens per sequence for one step: positions are added, best expected gain first,
     while they raise expected tokens per second."""
@@ -161,10 +159,14 @@ class Planner:
         self.draft_costs_rounds = draft_costs_rounds  # a model draft pays per round, an n-gram nothing
         self.idle = 0  # steps since a model draft last ran
 
+    def limits(self, room: list[int]) -> list[int]:
+        """The most draft tokens each sequence may propose: k, within its room."""
+        return [max(0, min(self.config.k, r)) for r in room]
+
     def plan(self, seqs: list[Sequence], room: list[int]) -> list[int]:
         """k per sequence, each at most `room[i]` (tokens it may still emit, minus the one the
         target adds)."""
-        limits = [max(0, min(self.config.k, r)) for r in room]
+        limits = self.limits(room)
         if not self.config.adaptive:
             return limits
         fitted = self.costs.fit()
@@ -291,16 +293,15 @@ class Speculator:
         if self.draft.costs_rounds:
             ks = self.planner.plan(seqs, room)
             proposals = self.draft.propose(seqs, ks) if any(ks) else [Proposal() for _ in seqs]
+            for seconds in self.draft.round_seconds:  # decode-like rounds only: a catch-up prefill is paid once
+                self.planner.costs.observe_draft(1, seconds)
         else:
             # A free draft (n-gram lookup) looks first and the planner chooses among the tokens it
             # found: planned blind, a sequence with no match still counted as a likely gain, and
             # one found match then made the whole batch a verification.
-            proposals = self.draft.propose(seqs, [min(self.config.k, r) for r in room])
+            proposals = self.draft.propose(seqs, self.planner.limits(room))
             ks = self.planner.plan(seqs, [len(p.tokens) for p in proposals])
             proposals = [p.cut(k) for p, k in zip(proposals, ks)]
-        if self.draft.costs_rounds:
-            for seconds in self.draft.round_seconds:  # decode-like rounds only: a catch-up prefill is paid once
-                self.planner.costs.observe_draft(1, seconds)
         chunks = []
         for i, seq in enumerate(seqs):
             proposals[i] = self._fit(seq, proposals[i])  # before extending: room and blocks as they are now
