@@ -184,6 +184,7 @@ def main() -> None:
     }
     warm = [chat_ids(tokenizer, workloads[next(iter(workloads))][0], generation_prompt=True)]
     for engine in engines.values():  # warm-up, torch.compile's one-time compile included
+        engine.warm_up()
         engine.generate(warm * 2, greedy(24))
         # A whole answer, so the shapes speculation reaches (verifications of every width, a
         # draft's catch-ups) compile here: 24 tokens did not reach them, and their compiles,

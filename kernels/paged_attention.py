@@ -23,7 +23,9 @@ def key_slots(
     blocks = -(-longest // block_size)
     rows = torch.arange(block_size, device=block_tables.device)
     table = block_tables[:, :blocks].long().clamp_min(0)
-    slots = (table[:, :, None] * block_size + rows).flatten(1)[:, :longest]
+    # contiguous: a slice's strides depend on whether `longest` fills its last block, and
+    # torch.compile guards on them, so each case compiled a graph of its own
+    slots = (table[:, :, None] * block_size + rows).flatten(1)[:, :longest].contiguous()
     seen = torch.arange(longest, device=block_tables.device)[None, :] < context_lens[:, None].to(block_tables.device)
     return slots, seen[:, None, None]
 

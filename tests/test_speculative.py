@@ -351,6 +351,75 @@ def test_a_compile_stall_does_not_price_a_draft_out_for_good():
     assert plans[-1] == 1  # ... until one position is tried again, which re-measures it
 
 
+def test_probes_of_a_declined_draft_wait_longer_each_time_until_the_plan_takes_it_up():
+    """Each probe costs the draft a catch-up prefill, so while the plan keeps declining the draft
+    the waits double (32, 64, 128, ... up to PROBE_MOST); a plan that speculates on its own
+    brings the wait back to 32."""
+    from surgeon.engine.sequence import Sequence
+    from surgeon.engine.speculative import Planner
+
+    planner = Planner(SpeculativeConfig(k=4), draft_costs_rounds=True)
+    seq = Sequence([1, 2, 3], GREEDY)
+    for tokens in (1, 2, 1, 3):
+        planner.costs.observe(tokens, 0.020 + 0.001 * tokens)
+    planner.costs.observe_draft(1, 0.015)
+
+    def probes(steps: int) -> list[int]:
+        return [step for step in range(1, steps + 1) if planner.plan([seq], [9])[0]]
+
+    seq.spec.rate = 0.2  # a 15 ms draft round for a 21 ms step at acceptance 0.2: declined
+    waits = probes(32 + 64 + 128 + 256 + 512 + 512)
+    assert [b - a for a, b in zip([0, *waits], waits)] == [32, 64, 128, 256, 512, 512]
+    seq.spec.rate = 0.95  # the probes found a draft that agrees: the plan takes it up ...
+    assert planner.plan([seq], [9])[0] >= 2
+    seq.spec.rate = 0.2  # ... and when it is declined again, the first wait is 32 once more
+    assert probes(40) == [32]
+
+
+def test_a_declined_model_draft_is_not_timed_again_and_new_requests_start_at_its_acceptance(tiny_llama, draft_llama):
+    """Round times are recorded only from steps where the draft ran (a declined step re-recorded
+    the last propose's times, filling the median with copies of one measurement), and a model
+    draft's new sequences start from the acceptance it has shown, not from the fixed prior that
+    kept re-engaging a weak draft; an n-gram lookup, free to retry, keeps the prior."""
+    from surgeon.engine.sequence import Speculation
+
+    config = {"method": "model", "draft": str(draft_llama), "k": 4, "adaptive": False}  # planned full, then none
+    llm = LLM(str(tiny_llama), speculative=config, **SMALL)
+    speculator, draft = llm.speculator, llm.speculator.draft
+    plan, propose, observe_draft = speculator.planner.plan, draft.propose, speculator.planner.costs.observe_draft
+    counts = {"plans": 0, "declined": 0, "rounds_run": 0, "rounds_recorded": 0}
+
+    def every_other_plan_declined(seqs, room):
+        counts["plans"] += 1
+        ks = plan(seqs, room) if counts["plans"] % 2 else [0] * len(seqs)
+        counts["declined"] += not any(ks)
+        return ks
+
+    def propose_and_count(seqs, ks):
+        proposals = propose(seqs, ks)
+        counts["rounds_run"] += len(draft.round_seconds)
+        return proposals
+
+    def record_and_count(rounds, seconds):
+        counts["rounds_recorded"] += 1
+        observe_draft(rounds, seconds)
+
+    speculator.planner.plan = every_other_plan_declined
+    draft.propose = propose_and_count
+    speculator.planner.costs.observe_draft = record_and_count
+    llm.generate(twenty_prompts()[:4], GREEDY)
+    assert counts["declined"] >= 10 and counts["rounds_run"] >= 10
+    assert counts["rounds_recorded"] == counts["rounds_run"]
+
+    assert speculator.overall.proposed > 0 and speculator.overall.rate != Speculation.PRIOR
+    llm.add_request([5, 6, 7, 8], GREEDY, request_id="late")
+    assert llm.requests["late"].spec.rate == speculator.overall.rate
+    ngram = LLM(str(tiny_llama), speculative={"method": "ngram", "k": 4}, **SMALL)
+    ngram.generate(twenty_prompts()[:4], GREEDY)
+    ngram.add_request([5, 6, 7, 8], GREEDY, request_id="late")
+    assert ngram.requests["late"].spec.rate == Speculation.PRIOR
+
+
 def test_a_verifications_fixed_cost_is_fitted_apart_and_can_price_speculation_out():
     """Times shaped like 16 sequences on this CPU: a plain step 84 + 2.4 ms a token, a verification
     12 ms more. One line through both kinds of step prices the plain step too high, and speculation
@@ -461,3 +530,23 @@ def test_a_reduced_vocabulary_draft_proposes_only_its_tokens_and_changes_nothing
     # Sampling too: the draft's distribution is zero outside its tokens, and the rule stays exact.
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, loop_window=0, seed=3)
     assert all(len(d.token_ids) == 12 for d in llm.generate(batch, params))
+
+
+def test_warm_up_compiles_every_decode_shape_before_the_first_request(tiny_llama, draft_llama):
+    """After `warm_up`, speculative requests meet no shape that is not compiled yet (a draft's
+    two-token catch-up once compiled for 13.7 s in the middle of an answer), the cache is as it
+    was, and the answers are the plain engine's."""
+    from torch._dynamo.utils import counters
+
+    spec = {"method": "model", "draft": str(draft_llama), "k": 2, "adaptive": False}
+    llm = LLM(str(tiny_llama), speculative=spec, compile=True, **SMALL)
+    free = llm.blocks.num_free, llm.speculator.draft.engine.blocks.num_free
+    assert llm.warm_up(batch_sizes=(1, 2)) > 0
+    assert (llm.blocks.num_free, llm.speculator.draft.engine.blocks.num_free) == free
+    graphs = counters["stats"]["unique_graphs"]
+    batch = twenty_prompts()[:3]
+    got, _ = outputs(llm, [batch[0]])
+    got += outputs(llm, batch[1:])[0]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert got == outputs(LLM(str(tiny_llama), **SMALL), batch)[0]
+    assert LLM(str(tiny_llama), **SMALL).warm_up() == 0.0  # nothing compiled: nothing to do

@@ -61,12 +61,13 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.blocks_needed(len(seq)) <= self.num_free
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for all of seq's tokens, reusing cached full blocks of its prefix. The last token
-        is never taken from the cache: its logits are needed."""
+    def allocate(self, seq: Sequence, reuse: bool = True) -> None:
+        """Blocks for all of seq's tokens, reusing cached full blocks of its prefix (unless not
+        `reuse`: fresh blocks only). The last token is never taken from the cache: its logits are
+        needed."""
         assert not seq.block_table
         previous, cached = None, 0
-        usable = (len(seq) - 1) // self.block_size if self.prefix_caching else 0
+        usable = (len(seq) - 1) // self.block_size if self.prefix_caching and reuse else 0
         for index in range(usable):
             chained, key = self._chain(seq, index, previous)
             block_id = self.by_hash.get(chained)

@@ -120,6 +120,28 @@ class ModelRunner:
         batch.query_rows = self._tensor(grid)
         return self.decode_forward(self._embed(step, ids), batch)
 
+    def compile_shapes(self, blocks, rows: int, widths) -> None:
+        """Run the decode step once for `rows` placeholder sequences at each width in `widths`
+        (1: a plain step; more: a verification), so that torch.compile compiles those graphs now
+        and not inside a request (seconds each on a CPU, against a step's milliseconds). The
+        placeholders' keys go to fresh blocks, released without a prefix-cache hash."""
+        from .sampling import SamplingParams
+        from .sequence import Sequence
+
+        seqs = [Sequence([0] * (2 * self.block_size + max(widths)), SamplingParams()) for _ in range(rows)]
+        if blocks.blocks_needed(len(seqs[0])) * rows > blocks.num_free:
+            return  # a cache this small holds no requests either; they compile as they come
+        for seq in seqs:
+            blocks.allocate(seq, reuse=False)
+        try:
+            for width in widths:
+                for seq in seqs:
+                    seq.computed = len(seq) - width
+                self.run(Scheduled(prefill=False, seqs=seqs, chunks=[width] * rows, verify=width > 1))
+        finally:
+            for seq in seqs:
+                blocks.release(seq)
+
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -37,10 +38,12 @@ class Speculation:
     """What speculative decoding did for one sequence: tokens proposed and kept, target forwards
     that gave it tokens, and its recent per-token acceptance (the planner's estimate)."""
 
+    PRIOR: ClassVar[float] = 0.6  # the estimate before any evidence
+
     proposed: int = 0
     accepted: int = 0
     target_steps: int = 0
-    rate: float = 0.6  # the prior before any evidence
+    rate: float = PRIOR
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -51,7 +54,7 @@ class Speculation:
             failures = 1 if accepted < proposed else 0
             self.rate += 0.3 * (accepted / (accepted + failures) - self.rate)
 
-    def drift(self, prior: float = 0.6) -> None:
+    def drift(self, prior: float = PRIOR) -> None:
         """A step without a proposal: the estimate slowly returns to the prior, so a sequence that
         backed off tries again later (text that was unpredictable may stop being so)."""
         self.rate += 0.05 * (prior - self.rate)

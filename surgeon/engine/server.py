@@ -348,6 +348,7 @@ def serve(
     from . import LLM
 
     llm = LLM(path, max_num_seqs=max_num_seqs, **llm_kwargs)
+    llm.warm_up()  # with --compile: the first requests would otherwise wait for compiles
     app = create_app(EngineLoop(llm, max_pending=max_pending), limits)
     log.info("serving %s on http://%s:%d/v1", llm.model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

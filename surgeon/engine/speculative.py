@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampler import distribution, draw, penalised
-from .sequence import Sequence
+from .sequence import Sequence, Speculation
 
 METHODS = ("ngram", "model")
 
@@ -152,12 +152,14 @@ class Planner:
     while they raise expected tokens per second."""
 
     PROBE_EVERY = 32  # steps a model draft may sit idle before one position is tried again
+    PROBE_MOST = 512  # ... doubling after each probe the plan did not take up, to this
 
     def __init__(self, config: SpeculativeConfig, draft_costs_rounds: bool):
         self.config = config
         self.costs = StepCosts()
         self.draft_costs_rounds = draft_costs_rounds  # a model draft pays per round, an n-gram nothing
         self.idle = 0  # steps since a model draft last ran
+        self.probe_every = self.PROBE_EVERY
 
     def limits(self, room: list[int]) -> list[int]:
         """The most draft tokens each sequence may propose: k, within its room."""
@@ -201,14 +203,19 @@ class Planner:
 
     def _probe(self, ks: list[int], limits: list[int], seqs: list[Sequence]) -> list[int]:
         """A declined model draft is never timed or checked again, so an estimate made on a bad
-        step (a compile, a busy machine) would stand for good: every PROBE_EVERY idle steps the
-        likeliest sequence proposes one token, which re-measures both."""
-        if not self.draft_costs_rounds or any(ks) or not any(limits):
+        step (a compile, a busy machine) would stand for good: after PROBE_EVERY idle steps the
+        likeliest sequence proposes one token, which re-measures both. A probe costs the draft a
+        catch-up prefill over the tokens it missed (about a target step on a CPU), so while the
+        plan keeps declining, the wait doubles, up to PROBE_MOST."""
+        if not self.draft_costs_rounds or not any(limits):
             self.idle = 0
             return ks
+        if any(ks):
+            self.idle, self.probe_every = 0, self.PROBE_EVERY
+            return ks
         self.idle += 1
-        if self.idle >= self.PROBE_EVERY:
-            self.idle = 0
+        if self.idle >= self.probe_every:
+            self.idle, self.probe_every = 0, min(2 * self.probe_every, self.PROBE_MOST)
             best = max((i for i, limit in enumerate(limits) if limit), key=lambda i: seqs[i].spec.rate)
             ks[best] = 1
         return ks
@@ -280,6 +287,16 @@ class Speculator:
         self.max_model_len = max_model_len
         self.planner = Planner(config, draft.costs_rounds)
         self.device = device
+        # The draft's acceptance over all sequences. For a model draft it is where a new or idle
+        # sequence's estimate starts and returns to: trying a draft again costs it a catch-up
+        # prefill, and an optimistic fixed prior re-engaged a weak draft every few steps. An
+        # n-gram lookup costs nothing to retry and keeps the fixed prior.
+        self.overall = Speculation()
+
+    @property
+    def prior(self) -> float:
+        """Where a new sequence's acceptance estimate starts, and an idle one's returns to."""
+        return self.overall.rate if self.draft.costs_rounds else Speculation.PRIOR
 
     def step(self, scheduled) -> tuple[list[Sequence], list[list[int]]]:
         """Run a decode step speculatively: (its sequences, the tokens each gains). Each sequence
@@ -292,9 +309,12 @@ class Speculator:
         room = [self._room(seq) for seq in seqs]
         if self.draft.costs_rounds:
             ks = self.planner.plan(seqs, room)
-            proposals = self.draft.propose(seqs, ks) if any(ks) else [Proposal() for _ in seqs]
-            for seconds in self.draft.round_seconds:  # decode-like rounds only: a catch-up prefill is paid once
-                self.planner.costs.observe_draft(1, seconds)
+            if any(ks):
+                proposals = self.draft.propose(seqs, ks)
+                for seconds in self.draft.round_seconds:  # decode-like rounds only: a catch-up prefill is paid once
+                    self.planner.costs.observe_draft(1, seconds)
+            else:
+                proposals = [Proposal() for _ in seqs]
         else:
             # A free draft (n-gram lookup) looks first and the planner chooses among the tokens it
             # found: planned blind, a sequence with no match still counted as a likely gain, and
@@ -324,8 +344,9 @@ class Speculator:
         for seq, proposal, tokens in zip(seqs, proposals, gained):
             seq.computed = len(seq) + len(tokens) - 1  # the last token of the chunk kept, plus those accepted
             seq.spec.observe(len(proposal.tokens), len(tokens) - 1)
+            self.overall.observe(len(proposal.tokens), len(tokens) - 1)
             if not proposal.tokens:
-                seq.spec.drift()
+                seq.spec.drift(self.prior)
         return seqs, gained
 
     def _room(self, seq: Sequence) -> int:
