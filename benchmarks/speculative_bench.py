@@ -186,9 +186,9 @@ def main() -> None:
     for engine in engines.values():  # warm-up, torch.compile's one-time compile included
         engine.warm_up()
         engine.generate(warm * 2, greedy(24))
-        # A whole answer, so the shapes speculation reaches (verifications of every width, a
-        # draft's catch-ups) compile here: 24 tokens did not reach them, and their compiles,
-        # seconds each, then landed in the timed rows (the compiled draft row read 1.10x).
+        # `warm_up` compiles the step shapes (an answer alone did not reach them all: a draft's
+        # two-token catch-up once compiled for 13.7 s in a timed row); a whole answer then
+        # seeds the planner's step costs and the draft's acceptance as a served request would.
         engine.generate(warm, greedy(args.new))
     hf_generate(hf, warm[0], 8)
     for title, chats in workloads.items():

@@ -54,7 +54,7 @@ class Speculation:
             failures = 1 if accepted < proposed else 0
             self.rate += 0.3 * (accepted / (accepted + failures) - self.rate)
 
-    def drift(self, prior: float = PRIOR) -> None:
+    def drift(self, prior: float) -> None:
         """A step without a proposal: the estimate slowly returns to the prior, so a sequence that
         backed off tries again later (text that was unpredictable may stop being so)."""
         self.rate += 0.05 * (prior - self.rate)
