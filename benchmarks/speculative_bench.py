@@ -15,7 +15,9 @@ Rows: transformers generate; transformers prompt lookup (`prompt_lookup_num_toke
 plain and compiled; with the n-gram draft; with the draft model (`--draft`, made by
 recipes/smollm2-draft.yaml). Every speculative row's tokens are checked against the engine's plain
 output (greedy: they must be identical) and the share of identical outputs is printed. Timings
-interleave the rows prompt by prompt, so a drifting machine moves all of them alike.
+interleave the rows prompt by prompt, so a drifting machine moves all of them alike. Each
+speculative engine also prints its break-even: the per-token acceptance from which its planner
+speculates at batch 1, priced with the step and draft-round costs it measured in this run.
 """
 
 from __future__ import annotations
@@ -112,12 +114,35 @@ def report(title: str, results: dict, new: int, reference: str, baseline: str) -
         if stats:
             proposed = sum(s["proposed"] for s in stats)
             accepted = sum(s["accepted"] for s in stats)
+            rejected = sum(s["rejected"] for s in stats)
             steps = sum(s["target_steps"] for s in stats)
+            # Per token: the chance that each next draft token is accepted, the figure the planner
+            # estimates and its break-even is stated in (tokens after a rejection are never tested).
+            per_token = accepted / max(accepted + rejected, 1)
             extra = (
-                f"   acceptance {accepted / max(proposed, 1):.2f}, "
+                f"   acceptance {accepted / max(proposed, 1):.2f} ({per_token:.2f} per token), "
                 f"{new * len(stats) / max(steps, 1):.2f} tokens per target step"
             )
         print(f"  {name:<34} {rate:7.1f} tokens/s  {rate / base_rate:5.2f}x  identical {same}/{len(want)}{extra}")
+
+
+def break_even_line(planner) -> str:
+    """What the draft must reach to pay at batch 1, from the costs the planner measured in this run."""
+    fitted, level = planner.costs.fit(), planner.break_even()
+    if fitted is None:
+        return "no step measured"
+    a, b, c = fitted
+    draft = planner.costs.draft_round
+    costs = f"plain step {1e3 * (a + b):.1f} ms, verification +{1e3 * c:.1f} ms, +{1e3 * b:.1f} ms a token" + (
+        f", draft round {1e3 * draft:.1f} ms" if draft is not None else ""
+    )
+    if not any(verify for _, verify, _ in planner.costs.samples):
+        # The fit covers the recent steps only: once a declined draft's verifications have left
+        # it, their fixed cost c reads 0 and the break-even below is a lower bound.
+        costs += f"; no verification among the last {len(planner.costs.samples)} steps, so c is unpriced"
+    if level is None:
+        return f"no acceptance pays ({costs})"
+    return f"the plan speculates from per-token acceptance {level:.2f} ({costs})"
 
 
 def results_rate(results: dict, name: str, new: int) -> float:
@@ -200,6 +225,9 @@ def main() -> None:
         }
         results = run_rows(rows, prompts, args.new)
         report(title, results, args.new, reference="engine", baseline="transformers generate")
+        for name, engine in engines.items():
+            if engine.speculator is not None:
+                print(f"  {name}: {break_even_line(engine.speculator.planner)}")
         for name in ("engine + ngram", "engine + draft"):
             if name in engines:
                 plain, fast = concurrent(engines[name], (prompts * 16)[: args.concurrent], args.new, args.repeats)

@@ -101,6 +101,8 @@ def test_greedy_output_is_token_identical_with_and_without_speculation(
     proposed = sum(d.speculation["proposed"] for d in done)
     accepted = sum(d.speculation["accepted"] for d in done)
     assert proposed > 0 and 0 < accepted < proposed  # drafts were both kept and rejected
+    rejected = sum(d.speculation["rejected"] for d in done)
+    assert 0 < rejected <= proposed - accepted  # a rejection drops its token and every one after it
     steps = sum(d.speculation["target_steps"] for d in done)
     assert steps < sum(len(t) for t in fast)  # fewer target forwards than tokens
     # Every rejected tail's blocks came back; the draft's mirrors are gone with their requests.
@@ -374,6 +376,36 @@ def test_probes_of_a_declined_draft_wait_longer_each_time_until_the_plan_takes_i
     assert planner.plan([seq], [9])[0] >= 2
     seq.spec.rate = 0.2  # ... and when it is declined again, the first wait is 32 once more
     assert probes(40) == [32]
+
+
+def test_break_even_is_the_acceptance_from_which_the_plan_speculates():
+    """`break_even` bisects the planner's own decision: just above it a sequence at that acceptance
+    gets draft tokens, just below it none; a dearer draft round or verification raises it."""
+    from surgeon.engine.sequence import Sequence
+    from surgeon.engine.speculative import Planner
+
+    planner = Planner(SpeculativeConfig(k=4), draft_costs_rounds=True)
+    assert planner.break_even() is None  # nothing measured yet
+    for tokens, verify in ((1, False), (2, False), (1, False), (5, True), (3, True)):
+        planner.costs.observe(tokens, 0.025 + 0.0013 * tokens + (0.004 if verify else 0.0), verify)
+    planner.costs.observe_draft(1, 0.007)
+    cheap = planner.break_even()
+    assert 0.05 < cheap < 0.95
+    seq = Sequence([1, 2, 3], GREEDY)
+    seq.spec.rate = cheap + 0.01
+    assert planner.plan([seq], [9])[0] >= 1
+    seq.spec.rate = cheap - 0.01
+    assert planner.plan([seq], [9])[0] == 0
+    planner.costs.observe_draft(1, 0.012)  # the median round is now 9.5 ms
+    planner.costs.observe_draft(1, 0.012)
+    assert planner.break_even() > cheap
+    free = Planner(SpeculativeConfig(k=4), draft_costs_rounds=False)  # an n-gram lookup pays no round
+    free.costs.samples.extend(planner.costs.samples)
+    assert free.break_even() < cheap
+    never = Planner(SpeculativeConfig(k=4), draft_costs_rounds=True)
+    never.costs.observe(1, 0.010)
+    never.costs.observe_draft(1, 0.050)  # a draft round five times a target step never pays
+    assert never.break_even() is None
 
 
 def test_a_declined_model_draft_is_not_timed_again_and_new_requests_start_at_its_acceptance(tiny_llama, draft_llama):

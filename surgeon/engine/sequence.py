@@ -42,6 +42,7 @@ class Speculation:
 
     proposed: int = 0
     accepted: int = 0
+    rejected: int = 0  # proposals that ended in a rejection (the rest were accepted whole)
     target_steps: int = 0
     rate: float = PRIOR
 
@@ -52,6 +53,7 @@ class Speculation:
             # Tokens after the first rejection were never tested: the evidence is `accepted`
             # successes and at most one failure (a truncated geometric sample).
             failures = 1 if accepted < proposed else 0
+            self.rejected += failures
             self.rate += 0.3 * (accepted / (accepted + failures) - self.rate)
 
     def drift(self, prior: float) -> None:
@@ -64,6 +66,7 @@ class Speculation:
             "proposed": self.proposed,
             "accepted": self.accepted,
             "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
+            "rejected": self.rejected,
             "target_steps": self.target_steps,
         }
 

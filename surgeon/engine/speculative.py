@@ -174,16 +174,20 @@ class Planner:
         fitted = self.costs.fit()
         if fitted is None:
             return limits  # no step measured yet: speculate fully once, then plan
+        return self._probe(self._choose([seq.spec.rate for seq in seqs], limits, fitted), limits, seqs)
+
+    def _choose(self, rates: list[float], limits: list[int], fitted: tuple[float, float, float]) -> list[int]:
+        """k per sequence for these per-token acceptance estimates, priced with the fitted costs."""
         a, b, c = fitted
         draft_round = self.costs.draft_round or 0.0
-        plain_rate = len(seqs) / (a + b * len(seqs))
+        plain_rate = len(rates) / (a + b * len(rates))
         # Price the step as a verification, add positions while they raise its tokens per
         # second, then keep the plan only if it beats the plain step it replaces.
-        seconds = a + b * len(seqs) + c
-        tokens = float(len(seqs))
-        ks = [0] * len(seqs)
+        seconds = a + b * len(rates) + c
+        tokens = float(len(rates))
+        ks = [0] * len(rates)
         candidates = sorted(
-            ((seq.spec.rate**j, i, j) for i, seq in enumerate(seqs) for j in range(1, limits[i] + 1)),
+            ((rate**j, i, j) for i, rate in enumerate(rates) for j in range(1, limits[i] + 1)),
             reverse=True,
         )
         rounds = 0
@@ -198,8 +202,26 @@ class Planner:
             tokens += gain
             seconds += cost
         if tokens / seconds <= plain_rate:
-            ks = [0] * len(seqs)
-        return self._probe(ks, limits, seqs)
+            ks = [0] * len(rates)
+        return ks
+
+    def break_even(self, sequences: int = 1) -> float | None:
+        """The lowest per-token acceptance at which the plan speculates for `sequences` sequences
+        at that acceptance, priced with the step and draft costs measured so far: what a draft
+        must reach to pay on this machine (None before a step is measured, with a fixed k, which
+        always speculates, or when even a draft that is always right would not pay)."""
+        fitted = self.costs.fit()
+        if fitted is None or not self.config.adaptive:
+            return None
+        limits = [self.config.k] * sequences
+        speculates = lambda rate: any(self._choose([rate] * sequences, limits, fitted))
+        if not speculates(1.0):
+            return None
+        low, high = 0.0, 1.0  # more acceptance never makes the plan propose less: bisect
+        while high - low > 1e-3:
+            middle = (low + high) / 2
+            low, high = (low, middle) if speculates(middle) else (middle, high)
+        return high
 
     def _probe(self, ks: list[int], limits: list[int], seqs: list[Sequence]) -> list[int]:
         """A declined model draft is never timed or checked again, so an estimate made on a bad
