@@ -136,10 +136,12 @@ def break_even_line(planner) -> str:
     costs = f"plain step {1e3 * (a + b):.1f} ms, verification +{1e3 * c:.1f} ms, +{1e3 * b:.1f} ms a token" + (
         f", draft round {1e3 * draft:.1f} ms" if draft is not None else ""
     )
-    if not any(verify for _, verify, _ in planner.costs.samples):
-        # The fit covers the recent steps only: once a declined draft's verifications have left
-        # it, their fixed cost c reads 0 and the break-even below is a lower bound.
-        costs += f"; no verification among the last {len(planner.costs.samples)} steps, so c is unpriced"
+    if not planner.costs.prices_c:
+        # c is measured only with both kinds of step in one window; until then it reads 0 and the
+        # break-even below is a lower bound.
+        costs += "; plain steps and verifications never shared the cost window, so c is unpriced"
+    elif not any(verify for _, verify, _ in planner.costs.samples):
+        costs += f" (c as last measured: no verification among the last {len(planner.costs.samples)} steps)"
     if level is None:
         return f"no acceptance pays ({costs})"
     return f"the plan speculates from per-token acceptance {level:.2f} ({costs})"

@@ -377,6 +377,14 @@ def test_probes_of_a_declined_draft_wait_longer_each_time_until_the_plan_takes_i
     seq.spec.rate = 0.2  # ... and when it is declined again, the first wait is 32 once more
     assert probes(40) == [32]
 
+    # An n-gram costs no round and its probe no catch-up: it is probed too (its c, like a model
+    # draft's, outlives the window), every 32 idle steps without growing waits.
+    planner = Planner(SpeculativeConfig(k=4), draft_costs_rounds=False)
+    for tokens, verify in ((1, False), (2, False), (1, False), (3, True), (5, True)):
+        planner.costs.observe(tokens, 0.020 + 0.001 * tokens + (0.030 if verify else 0.0), verify)
+    assert probes(32 * 4) == [32, 64, 96, 128]
+    assert planner.plan([seq], [0]) == [0]  # nothing found: nothing to probe with
+
 
 def test_break_even_is_the_acceptance_from_which_the_plan_speculates():
     """`break_even` bisects the planner's own decision: just above it a sequence at that acceptance
@@ -483,6 +491,92 @@ def test_a_verifications_fixed_cost_is_fitted_apart_and_can_price_speculation_ou
     alone = Sequence([1, 2, 3], GREEDY)
     alone.spec.rate = 0.8
     assert planner.plan([alone], [9])[0] >= 3
+
+
+def test_a_verifications_cost_outlives_the_window_that_measured_it():
+    """Once a declined draft's verifications leave the 64-step window, the last measured c stands:
+    read as 0 it priced verifications as free, lowered the break-even and took the draft up again.
+    Verifications alone in the window give a as theirs less that c."""
+    from surgeon.engine.sequence import Sequence
+    from surgeon.engine.speculative import Planner
+
+    planner = Planner(SpeculativeConfig(k=4), draft_costs_rounds=True)
+    planner.costs.observe_draft(1, 0.017)
+    for tokens in (1, 1, 1, 1):
+        planner.costs.observe(tokens, 0.075 + 0.004 * tokens)
+    for tokens in (3, 4, 5, 2):
+        planner.costs.observe(tokens, 0.075 + 0.004 * tokens + 0.047, verify=True)
+    assert planner.costs.prices_c and planner.costs.fit() == pytest.approx((0.075, 0.004, 0.047), rel=1e-6)
+    bar = planner.break_even()
+    assert 0.5 < bar < 0.9  # the eager costs of run 6: the draft needs ~0.67 per token
+
+    for step in range(planner.costs.samples.maxlen):  # declined: plain steps only from here on
+        planner.costs.observe(1 + step % 2, 0.075 + 0.004 * (1 + step % 2))
+    assert not any(verify for _, verify, _ in planner.costs.samples)
+    assert planner.costs.fit() == pytest.approx((0.075, 0.004, 0.047), rel=1e-6)
+    assert planner.break_even() == pytest.approx(bar)
+    below = Sequence([1, 2, 3], GREEDY)
+    below.spec.rate = bar - 0.05
+    assert planner._choose([below.spec.rate], [4], planner.costs.fit()) == [0]
+    # Read as 0, the same window would have taken this draft up:
+    assert planner._choose([below.spec.rate], [4], (0.075, 0.004, 0.0)) != [0]
+
+    for tokens in (3, 4, 5, 2) * 16:  # verifications only: a is theirs less the known c
+        planner.costs.observe(tokens, 0.075 + 0.004 * tokens + 0.047, verify=True)
+    assert planner.costs.fit() == pytest.approx((0.075, 0.004, 0.047), rel=1e-6)
+
+
+def _simulated_answers(acceptance: float, answers: int = 8, new: int = 128, k: int = 4) -> tuple[float, float]:
+    """The planner and the acceptance estimates against a draft whose tokens are each kept with
+    probability `acceptance`, priced with a compiled SmolLM2-135M's measured costs (a 35 ms step,
+    0.9 ms a token, 12.7 ms a verification, 5.6 ms a draft round): (tokens per target step, time
+    against plain decoding's)."""
+    import random
+
+    from surgeon.engine.sequence import Sequence, Speculation
+    from surgeon.engine.speculative import Planner
+
+    a, b, c, draft_round = 0.0342, 0.0009, 0.0127, 0.0056
+    draws = random.Random(0)
+    planner = Planner(SpeculativeConfig(k=k), draft_costs_rounds=True)
+    overall = Speculation(memory=0.99)
+    seconds = steps = made = 0
+    for _ in range(answers):
+        seq = Sequence([1, 2, 3], GREEDY)
+        seq.spec.start_from(overall.rate)
+        written = 0
+        while written < new:
+            proposed = planner.plan([seq], [min(k, new - written - 1)])[0]
+            kept = 0
+            while kept < proposed and draws.random() < acceptance:
+                kept += 1
+            forward = a + b * (1 + proposed) + (c if proposed else 0.0)
+            planner.costs.observe(1 + proposed, forward, verify=proposed > 0)
+            for _ in range(proposed):
+                planner.costs.observe_draft(1, draft_round)
+            seq.spec.observe(proposed, kept)
+            overall.observe(proposed, kept)
+            if not proposed:
+                seq.spec.drift(overall.rate)
+            seconds += forward + draft_round * proposed
+            steps += 1
+            written += kept + 1
+            made += kept + 1
+    return made / steps, (a + b) * made / seconds
+
+
+def test_a_draft_that_pays_stays_engaged_and_one_that_does_not_costs_little():
+    """With these costs the bar is ~0.49 per token. A draft kept 70% of the time is worth ~1.3x
+    (k = 3 or 4 at a fixed k); the estimate averaged per proposal (0.3 of the way each time) lost
+    most of that to noise: one rejection took it under the bar, the draft was declined and not
+    tested again for tens of steps (1.13 tokens a target step, 1.04x). Counted, it stays engaged;
+    a draft under the bar is tried and dropped at a small cost."""
+    tokens_per_step, speed = _simulated_answers(0.7)
+    assert tokens_per_step > 2.0 and speed > 1.2
+    tokens_per_step, speed = _simulated_answers(0.85)
+    assert tokens_per_step > 3.0 and speed > 1.6
+    tokens_per_step, speed = _simulated_answers(0.3)
+    assert tokens_per_step < 1.1 and speed > 0.95
 
 
 def test_the_ngram_draft_looks_first_and_the_planner_chooses_among_tokens_found(tiny_llama):

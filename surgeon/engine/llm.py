@@ -269,7 +269,7 @@ class LLM:
             )
         seq = Sequence(ids, params, request_id=request_id or "", images=spans)
         if self.speculator is not None:
-            seq.spec.rate = self.speculator.prior
+            seq.spec.start_from(self.speculator.prior)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq

@@ -98,13 +98,15 @@ class StepCosts:
     and lost 15%. A target step far longer than is usual (torch.compile compiling a new shape:
     seconds, against milliseconds) is left out of the fit, and the median keeps such a draft round
     from setting the round's cost; otherwise one compile would price speculation out for a long
-    while."""
+    while. c outlives the window: once a declined draft's verifications have left it, the last
+    measured c stands (reading 0 there priced verifications as free and took the draft up again)."""
 
     OUTLIER = 5.0  # times the median step
 
     def __init__(self, window: int = 64):
         self.samples: deque[tuple[int, bool, float]] = deque(maxlen=window)
         self.draft_rounds: deque[float] = deque(maxlen=16)
+        self.measured_c: float | None = None  # the last c fitted with both kinds of step in the window
 
     def observe(self, tokens: int, seconds: float, verify: bool = False) -> None:
         self.samples.append((tokens, verify, seconds))
@@ -119,8 +121,9 @@ class StepCosts:
 
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, c), or None before there is anything to fit. b comes from the spread of step
-        sizes within each kind of step; c is 0 until both kinds have been seen (until then a
-        verification's cost is whatever its own steps say a is)."""
+        sizes within each kind of step; c is 0 until both kinds have been seen together (until
+        then a verification's cost is whatever its own steps say a is), and the last such c
+        while the window holds one kind only."""
         if not self.samples:
             return None
         usual = self.OUTLIER * statistics.median(s for _, _, s in self.samples)
@@ -142,9 +145,20 @@ class StepCosts:
             )
             b = max(0.0, covariance / spread)
         intercepts = {kind: mean_y - b * mean_x for kind, (mean_x, mean_y) in means.items()}
-        a = max(intercepts[min(groups)], 1e-6)
-        c = max(0.0, intercepts[True] - a) if len(groups) == 2 else 0.0
+        if len(groups) == 2:
+            a = max(intercepts[False], 1e-6)
+            self.measured_c = c = max(0.0, intercepts[True] - a)
+        else:
+            c = self.measured_c or 0.0
+            only = next(iter(intercepts))
+            a = max(intercepts[only] - (c if only else 0.0), 1e-6)  # verifications alone: a is theirs less c
         return a, max(b, 0.002 * a), c  # a token is never free: noise must not make speculation unbounded
+
+    @property
+    def prices_c(self) -> bool:
+        """Whether c has been measured (both kinds of step seen in one window), not assumed 0."""
+        self.fit()  # c is taken whenever the window holds both kinds: look at it now
+        return self.measured_c is not None
 
 
 class Planner:
@@ -224,12 +238,13 @@ class Planner:
         return high
 
     def _probe(self, ks: list[int], limits: list[int], seqs: list[Sequence]) -> list[int]:
-        """A declined model draft is never timed or checked again, so an estimate made on a bad
-        step (a compile, a busy machine) would stand for good: after PROBE_EVERY idle steps the
-        likeliest sequence proposes one token, which re-measures both. A probe costs the draft a
-        catch-up prefill over the tokens it missed (about a target step on a CPU), so while the
-        plan keeps declining, the wait doubles, up to PROBE_MOST."""
-        if not self.draft_costs_rounds or not any(limits):
+        """A declined draft is never timed or checked again, so an estimate made on a bad step
+        (a compile, a busy machine) would stand for good, c included now that it outlives the
+        window: after PROBE_EVERY idle steps the likeliest sequence proposes one token, which
+        re-measures both. A model draft's probe costs it a catch-up prefill over the tokens it
+        missed (about a target step on a CPU), so while the plan keeps declining, its wait
+        doubles, up to PROBE_MOST; an n-gram's costs one two-row verification, and its wait stays."""
+        if not any(limits):
             self.idle = 0
             return ks
         if any(ks):
@@ -237,7 +252,8 @@ class Planner:
             return ks
         self.idle += 1
         if self.idle >= self.probe_every:
-            self.idle, self.probe_every = 0, min(2 * self.probe_every, self.PROBE_MOST)
+            grown = 2 * self.probe_every if self.draft_costs_rounds else self.probe_every
+            self.idle, self.probe_every = 0, min(grown, self.PROBE_MOST)
             best = max((i for i, limit in enumerate(limits) if limit), key=lambda i: seqs[i].spec.rate)
             ks[best] = 1
         return ks
@@ -313,7 +329,7 @@ class Speculator:
         # sequence's estimate starts and returns to: trying a draft again costs it a catch-up
         # prefill, and an optimistic fixed prior re-engaged a weak draft every few steps. An
         # n-gram lookup costs nothing to retry and keeps the fixed prior.
-        self.overall = Speculation()
+        self.overall = Speculation(memory=0.99)  # across sequences: the last ~100 tokens tested
 
     @property
     def prior(self) -> float:
