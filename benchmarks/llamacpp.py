@@ -54,12 +54,11 @@ SIMD = {
 
 def cpu_features() -> set[str]:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return {"avx", "avx2", "fma", "f16c"}  # no /proc/cpuinfo: the x86-64 baseline of the last decade
+        return {"avx", "avx2", "fma", "f16c"}  # no /proc/cpuinfo: the x86-64 baseline of the last decade
+    # x86 lists "flags"; an Arm host lists "Features" and gets none of the x86 switches.
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
 
 
 def simd_switches(features: set[str]) -> list[str]:
