@@ -132,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
         "--compile", action="store_true", help="torch.compile the decode step: faster decoding after a one-time compile"
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="with --compile on a CPU: each request's tokens bit for bit independent of its batch, and "
+        "greedy speculation exactly the plain tokens (a verification costs more attention time)",
+    )
+    p.add_argument(
         "--speculative",
         metavar="ngram|PATH",
         help="speculative decoding (outputs unchanged): 'ngram' (prompt lookup) or a draft model's path or alias",
@@ -302,6 +308,8 @@ def _push(args) -> None:
 def _serve(args) -> None:
     from .engine.server import ServerLimits, serve
 
+    if args.batch_invariant and not args.compile:
+        raise SurgeonError("--batch-invariant needs --compile (eager steps round a row by the batch's size)")
     serve(
         args.model,
         host=args.host,
@@ -314,6 +322,7 @@ def _serve(args) -> None:
         dtype=args.dtype,
         quantize=args.quantize,
         compile=args.compile,
+        batch_invariant=args.batch_invariant,
         speculative=_speculative(args.speculative, args.speculative_k),
     )
 

@@ -519,6 +519,8 @@ def test_surgeon_serve_command(tiny_llama, tmp_path, capsys):
 
     assert main(["serve", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+    assert main(["serve", str(tiny_llama), "--batch-invariant"]) == 2
+    assert "--batch-invariant needs --compile" in capsys.readouterr().err
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

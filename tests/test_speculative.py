@@ -676,3 +676,46 @@ def test_warm_up_compiles_every_decode_shape_before_the_first_request(tiny_llama
     assert counters["stats"]["unique_graphs"] == graphs
     assert got == outputs(LLM(str(tiny_llama), **SMALL), batch)[0]
     assert LLM(str(tiny_llama), **SMALL).warm_up() == 0.0  # nothing compiled: nothing to do
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mqa"])
+def test_compiled_steps_give_a_row_the_same_logits_whatever_the_steps_width(kind, request):
+    """With `batch_invariant=True`, a verification's logits are bit for bit those of one-token steps,
+    and a sequence's step gives it the same logits beside another sequence as alone: so greedy
+    speculation cannot flip a near-tie (plain `compile=True`: 1 of 8 real answers departed)."""
+    from surgeon.engine.scheduler import Scheduled
+    from surgeon.engine.sequence import Sequence
+
+    target = request.getfixturevalue({"gqa": "tiny_llama", "mqa": "mqa_llama"}[kind])
+    llm = LLM(str(target), compile=True, batch_invariant=True, **SMALL)
+    runner, blocks = llm.runner, llm.blocks
+    ids, other_ids = twenty_prompts()[11][:33], twenty_prompts()[12][:40]
+    prompt, end = 21, 31  # keys cross block and vector-width boundaries on the way
+    seq, other = Sequence(list(ids), SamplingParams()), Sequence(list(other_ids), SamplingParams())
+    for s in (seq, other):
+        blocks.allocate(s, reuse=False)
+        s.token_ids = s.token_ids[:prompt]
+        runner.run(Scheduled(True, [s], [prompt]))
+
+    def step(s, position, width=1):
+        s.token_ids, s.computed = (ids if s is seq else other_ids)[: position + width], position
+        return Scheduled(False, [s], [width], verify=width > 1)
+
+    alone = torch.stack([runner.run(step(seq, p))[0] for p in range(prompt, end)])
+    for width in (2, 5):
+        rows = [runner.run(step(seq, p, min(width, end - p))) for p in range(prompt, end, width)]
+        assert torch.equal(torch.cat(rows), alone), f"verification of {width} rows"
+    beside = []
+    for p in range(prompt, end):
+        a, b = step(seq, p), step(other, p)
+        beside.append(runner.run(Scheduled(False, a.seqs + b.seqs, [1, 1]))[0])
+    assert torch.equal(torch.stack(beside), alone)
+    assert not torch.equal(alone[0], alone[1])  # the steps did read different positions
+
+
+def test_batch_invariance_is_refused_where_it_cannot_hold(tiny_llama, sparse_llama):
+    for settings in ({}, {"compile": True, "quantize": "int8"}):
+        with pytest.raises(ValueError, match="batch_invariant=True needs compile=True on a CPU"):
+            LLM(str(tiny_llama), batch_invariant=True, **settings)
+    with pytest.raises(ValueError, match="sparse"):
+        LLM(str(sparse_llama), batch_invariant=True, compile=True)

@@ -23,7 +23,7 @@ def dense_attention(
     if not batch.prefill and batch.key_slots is not None:
         # Off CUDA: the reference's arithmetic, its gather indices built once per step.
         return paged_attention.decode_attention_by_slots(
-            q, k_cache, v_cache, batch.key_slots, batch.key_mask, scale, batch.query_rows
+            q, k_cache, v_cache, batch.key_slots, batch.key_mask, scale, batch.query_rows, batch.row_invariant
         )
     if not batch.prefill:
         run = _pick(paged_attention, "paged_decode_attention", q)

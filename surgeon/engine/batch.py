@@ -28,3 +28,5 @@ class StepBatch:
     # A verification off CUDA: each token's place in a [B * C] grid of its sequence's C query rows, so
     # a sequence's keys are gathered once for all its draft tokens.
     query_rows: torch.Tensor | None = None  # [T] long
+    # Compiled on a CPU: attention whose rows do not depend on the step's width (runner.py).
+    row_invariant: bool = False

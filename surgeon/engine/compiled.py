@@ -10,11 +10,17 @@ model must not be trained afterwards) and its matmuls autotuned (`max_autotune`)
 costs ~19 ms and a verification of five barely more, which is what speculative decoding needs.
 Quantized weights keep the plain compile: their matmuls are PyTorch's int8/int4 kernels.
 
-Exactness: a one-token step and a verification's several rows are compiled as separate graphs,
-whose packed kernels may sum in another order; greedy speculation under this compile can then
-pick a different token where the top two logits are within rounding (measured: 1 of 3 prompts at
-a fixed k of 4 over 128 tokens; 16 of 16 identical under the adaptive planner). Eager speculation
-and this compile without speculation gave the plain engine's tokens in every measurement.
+Exactness: a one-token step and a verification's several rows are separate graphs, and SDPA's
+matmuls round a row differently by how many query rows it has; greedy speculation under this
+compile could then pick another token where the top two logits are within rounding (measured: 1 of
+8 grounded answers, at a 2.5e-5 margin). `LLM(batch_invariant=True)` removes that: each row of a
+step is then computed bit for bit alike whatever the step's width, so a verification's logits are
+exactly those of one-token steps (and a request's do not depend on its batch). Inductor's packed
+GEMM sums each row in one order for any number of rows within a graph, and graphs tuned for
+different widths agreed in every check; dynamo gives a width of 1 a graph of its own, so a one-row
+step runs its row twice; attention sums by reduction over keys padded to a vector width (runner.py,
+kernels/paged_attention.py), slower than SDPA for a verification's rows. Eager steps cannot be made
+so cheaply: MKL's sgemm rounds a row differently for 1, 2, 3 or 5 rows.
 
 On CUDA the step compiles as it is (the paged Triton kernels do the attention).
 

@@ -75,11 +75,14 @@ class LLM:
     cores; `warm_up()` compiles them before the first request). `kv_cache_tokens`: positions the
     paged cache holds over all sequences (default: 1 GiB worth on a CPU, 60% of free memory on a
     GPU).
+    `batch_invariant=True` (with `compile=True` on a CPU, float weights, dense attention): a decode step computes each
+    row bit for bit alike whatever the rows beside it, so a request's tokens do not depend on its
+    batch and greedy speculation gives exactly the tokens it gives without (compiled.py); it costs
+    a verification more attention time (+11 ms a verification at 448 keys, SmolLM2-135M).
     `max_batched_tokens`: the prefill chunk budget per step. `speculative`: decode speculatively
-    (the output distribution is unchanged; greedy output is the same tokens, up to float
-    rounding between compiled graphs with `compile=True`: compiled.py): "ngram", a draft
-    checkpoint's path, or a dict such as {"method": "model", "draft": PATH, "k": 4} (see
-    speculative.SpeculativeConfig)."""
+    (the output distribution is unchanged; greedy output is the same tokens, up to float rounding
+    unless `batch_invariant`): "ngram", a draft checkpoint's path, or a dict such as
+    {"method": "model", "draft": PATH, "k": 4} (see speculative.SpeculativeConfig)."""
 
     def __init__(
         self,
@@ -94,6 +97,7 @@ class LLM:
         prefix_caching: bool = True,
         quantize: str | None = None,
         compile: bool = False,
+        batch_invariant: bool = False,
         trust_remote_code: bool = False,
         speculative: dict | str | SpeculativeConfig | None = None,
     ):
@@ -116,6 +120,15 @@ class LLM:
             bits = int(self.quantized[3:])
             scales = exported["scales"] if exported and exported["bits"] == bits else None
             quantize_weights(self.model, bits, exported=scales)
+        if batch_invariant and not (compile and self.device.type == "cpu" and not self.quantized):
+            raise ValueError(
+                "batch_invariant=True needs compile=True on a CPU with float weights (eager steps and "
+                "the int8/int4 kernels round a row differently by how many rows a step has)"
+            )
+        if batch_invariant and any(layer.attention.indexer is not None for layer in self.model.layers):
+            # its indexer scores and top-k attention are einsums whose rounding follows the step's
+            # width (a 5-row verification departed from one-token steps in the test)
+            raise ValueError("batch_invariant=True is for dense attention; this model has sparse (DSA) layers")
         per_token = ModelRunner.cache_bytes_per_token(self.model, self.dtype)
         if kv_cache_tokens is None:
             kv_cache_tokens = self._default_cache_tokens(per_token)
@@ -124,7 +137,15 @@ class LLM:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batched_tokens)
         self.runner = ModelRunner(
-            self.model, self.vision, num_blocks, block_size, self.device, self.dtype, compile, bool(self.quantized)
+            self.model,
+            self.vision,
+            num_blocks,
+            block_size,
+            self.device,
+            self.dtype,
+            compile,
+            bool(self.quantized),
+            batch_invariant,
         )
         self.stopper = Stopper(self.tokenizer, loaded.eos_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}

@@ -11,6 +11,10 @@ from .models.llama import LlamaEngineModel
 from .scheduler import Scheduled
 from .vision import VisionEncoder
 
+# Keys a row-invariant step pads to a multiple of: a whole AVX-512 vector of fp32 (two of AVX2), so
+# that a key's place among a reduction's vector lanes does not depend on where the keys end.
+KEY_PADDING = 16
+
 
 class ModelRunner:
     def __init__(
@@ -23,6 +27,7 @@ class ModelRunner:
         dtype: torch.dtype,
         compile: bool = False,
         quantized: bool = False,
+        row_invariant: bool = False,
     ):
         self.model, self.vision = model, vision
         # Decode steps are many and alike: compiled, their small ops fuse and the per-op overhead
@@ -30,6 +35,14 @@ class ModelRunner:
         # vary in shape and stay eager.
         self.decode_forward = compile_decode(model, device, quantized) if compile else model.forward
         self.compiled = compile
+        # `row_invariant` (compiled, CPU): a decode step's rows are computed alike whatever its
+        # width, so that a verification's logits are bit for bit those of one-token steps and
+        # speculation cannot flip a greedy near-tie (measured: it did, 1 prompt in 8). The packed
+        # GEMM of one inductor graph sums each row in the same order for any number of rows, but
+        # dynamo gives a width of 1 a graph of its own, tuned apart: so a one-row step runs its row
+        # twice. Attention sums by reduction, over keys padded to a whole vector width
+        # (kernels/paged_attention.py).
+        self.row_invariant = row_invariant
         self.block_size, self.device = block_size, device
         config = model.config
         for layer in model.layers:
@@ -63,6 +76,12 @@ class ModelRunner:
         (for a verification: after every token of every chunk)."""
         if step.verify:
             return self._verify(step)
+        if self.row_invariant and not step.prefill and len(step.seqs) == 1:
+            # the same token twice writes the same key to the same slot; one row of logits is read
+            return self._decode_or_prefill(Scheduled(False, step.seqs * 2, step.chunks * 2))[:1]
+        return self._decode_or_prefill(step)
+
+    def _decode_or_prefill(self, step: Scheduled) -> torch.Tensor:
         ids, positions, slots, token_rows, logit_rows = [], [], [], [], []
         context_slots, cu_q, cu_k = [], [0], [0]
         for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks)):
@@ -156,7 +175,9 @@ class ModelRunner:
             logit_rows=self._tensor(logit_rows),
         )
         if not prefill and self.device.type != "cuda":
-            batch.key_slots, batch.key_mask = key_slots(batch.block_tables, batch.context_lens, self.block_size)
+            width = KEY_PADDING if self.row_invariant else 1
+            batch.key_slots, batch.key_mask = key_slots(batch.block_tables, batch.context_lens, self.block_size, width)
+            batch.row_invariant = self.row_invariant
         return batch
 
     def _embed(self, step: Scheduled, ids: list[int]) -> torch.Tensor:
