@@ -75,10 +75,11 @@ class LLM:
     cores; `warm_up()` compiles them before the first request). `kv_cache_tokens`: positions the
     paged cache holds over all sequences (default: 1 GiB worth on a CPU, 60% of free memory on a
     GPU).
-    `batch_invariant=True` (with `compile=True` on a CPU, float weights, dense attention): a decode step computes each
-    row bit for bit alike whatever the rows beside it, so a request's tokens do not depend on its
-    batch and greedy speculation gives exactly the tokens it gives without (compiled.py); it costs
-    a verification more attention time (+11 ms a verification at 448 keys, SmolLM2-135M).
+    `batch_invariant=True` (with `compile=True` on a CPU, float weights, dense attention): a decode
+    step computes each row bit for bit alike whatever the rows beside it, so a request's tokens do
+    not depend on its batch and greedy speculation gives exactly the tokens it gives without
+    (compiled.py); it costs a verification more attention time (+11 ms a verification at 448 keys,
+    SmolLM2-135M).
     `max_batched_tokens`: the prefill chunk budget per step. `speculative`: decode speculatively
     (the output distribution is unchanged; greedy output is the same tokens, up to float rounding
     unless `batch_invariant`): "ngram", a draft checkpoint's path, or a dict such as

@@ -35,13 +35,8 @@ class ModelRunner:
         # vary in shape and stay eager.
         self.decode_forward = compile_decode(model, device, quantized) if compile else model.forward
         self.compiled = compile
-        # `row_invariant` (compiled, CPU): a decode step's rows are computed alike whatever its
-        # width, so that a verification's logits are bit for bit those of one-token steps and
-        # speculation cannot flip a greedy near-tie (measured: it did, 1 prompt in 8). The packed
-        # GEMM of one inductor graph sums each row in the same order for any number of rows, but
-        # dynamo gives a width of 1 a graph of its own, tuned apart: so a one-row step runs its row
-        # twice. Attention sums by reduction, over keys padded to a whole vector width
-        # (kernels/paged_attention.py).
+        # `row_invariant` (compiled, CPU): a decode step's rows computed alike whatever its width,
+        # so a verification's logits are bit for bit those of one-token steps (compiled.py).
         self.row_invariant = row_invariant
         self.block_size, self.device = block_size, device
         config = model.config
@@ -77,7 +72,8 @@ class ModelRunner:
         if step.verify:
             return self._verify(step)
         if self.row_invariant and not step.prefill and len(step.seqs) == 1:
-            # the same token twice writes the same key to the same slot; one row of logits is read
+            # dynamo gives a width of 1 a graph of its own, whose GEMMs round apart: the same token
+            # twice writes the same key to the same slot, and one row of logits is read
             return self._decode_or_prefill(Scheduled(False, step.seqs * 2, step.chunks * 2))[:1]
         return self._decode_or_prefill(step)
 
@@ -175,8 +171,10 @@ class ModelRunner:
             logit_rows=self._tensor(logit_rows),
         )
         if not prefill and self.device.type != "cuda":
-            width = KEY_PADDING if self.row_invariant else 1
-            batch.key_slots, batch.key_mask = key_slots(batch.block_tables, batch.context_lens, self.block_size, width)
+            multiple = KEY_PADDING if self.row_invariant else 1
+            batch.key_slots, batch.key_mask = key_slots(
+                batch.block_tables, batch.context_lens, self.block_size, multiple
+            )
             batch.row_invariant = self.row_invariant
         return batch
 
